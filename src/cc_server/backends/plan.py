@@ -1,0 +1,61 @@
+"""LaunchPlan: what to run, computed by a backend's pure `plan()`, executed only by the runner."""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from cc_server.policy import SandboxBackend
+
+__all__ = ["FdArg", "LaunchPlan"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FdArg:
+    """An argv slot the runner fills with the number of an fd holding `data`.
+
+    The runner materialises `data` in a sealed memfd just before spawning; nothing touches disk.
+    """
+
+    name: str
+    data: bytes = field(repr=False)
+
+    def __str__(self) -> str:
+        return f"<fd:{self.name}>"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchPlan:
+    """A complete, auditable description of one launch.
+
+    `env` is the exact environment the launched program starts with: the runner passes nothing
+    else from the server's environment.
+    """
+
+    backend: SandboxBackend
+    argv: tuple[str | FdArg, ...]
+    env: tuple[tuple[str, str], ...]
+    cwd: str | None = None
+    notes: tuple[str, ...] = ()
+
+    def render(self) -> str:
+        """Human-readable form: one argv word per line, pairs of bwrap options kept together."""
+        lines = [f"backend: {self.backend}"]
+        if self.cwd is not None:
+            lines.append(f"cwd: {self.cwd}")
+        lines.append("env:")
+        lines.extend(f"  {k}={shlex.quote(v)}" for k, v in self.env)
+        lines.append("argv:")
+        lines.extend(f"  {shlex.quote(str(a))}" for a in self.argv)
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, object]:
+        """JSON-ready form for `cc-server plan --json` and the API."""
+        return {
+            "backend": str(self.backend),
+            "argv": [str(a) for a in self.argv],
+            "env": dict(self.env),
+            "cwd": self.cwd,
+            "notes": list(self.notes),
+        }

@@ -1,0 +1,204 @@
+"""compile(spec, host) -> CompiledPolicy: pure, no process started, nothing written.
+
+The host is consulted only through `HostFacts` (home directory, symlink resolution, existence), so
+every branch is testable on any OS with fake facts.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from cc_server.errors import BadSpec
+from cc_server.policy.paths import (
+    HOME_MANDATORY_DENY_WRITE,
+    ROOT_MANDATORY_DENY_WRITE,
+    SECRET_DENY_READ,
+    SYSTEM_DENY_READ,
+)
+from cc_server.policy.host import HostFacts
+from cc_server.policy.spec import AgentCapabilities, Mode, SandboxSpec
+
+__all__ = [
+    "CompiledPolicy",
+    "Mount",
+    "PathRule",
+    "compile_policy",
+    "spellings",
+]
+
+MAX_GLOB_LENGTH = 255  # one file name; a glob names a file, not a path
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PathRule:
+    """A path a rule applies to, with the reason the rule exists."""
+
+    path: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Mount:
+    """A host path made visible in the sandbox.
+
+    `host_path` is the symlink-resolved source; `literal_path` is how the spec spelled it.
+    """
+
+    host_path: str
+    literal_path: str
+    guest_path: str
+    writable: bool
+    reason: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CompiledPolicy:
+    """Everything a backend needs, in absolute paths, both spellings of every deny path."""
+
+    session_id: str
+    mode: Mode
+    mounts: tuple[Mount, ...]
+    deny_read: tuple[PathRule, ...]
+    deny_write: tuple[PathRule, ...]
+    deny_create_globs: tuple[str, ...]
+    workdir: str | None
+    network_allowed: bool
+    egress_allowlist: tuple[str, ...]
+    capabilities: AgentCapabilities
+    exec_grant_roots: tuple[str, ...]
+
+    @property
+    def writable_roots(self) -> tuple[str, ...]:
+        """Resolved host paths that are writable, in mount order."""
+        return tuple(m.host_path for m in self.mounts if m.writable)
+
+    @property
+    def requires_create_rules(self) -> bool:
+        """True when the policy forbids creating names by glob, which needs a capable backend."""
+        return bool(self.deny_create_globs)
+
+
+def _is_glob(path: str) -> bool:
+    return "*" in path or "?" in path
+
+
+def spellings(path: str, realpath: Callable[[str], str]) -> tuple[str, ...]:
+    """The literal spelling and the symlink-resolved one (once if equal).
+
+    Globs are left alone; a path that does not resolve is kept as written.
+    """
+    if _is_glob(path):
+        return (path,)
+    try:
+        resolved = realpath(path)
+    except (OSError, ValueError):
+        return (path,)
+    if resolved == path:
+        return (path,)
+    return (path, resolved)
+
+
+def _rules(entries: Iterable[tuple[str, str]], realpath: Callable[[str], str]) -> list[PathRule]:
+    rules: list[PathRule] = []
+    seen: set[str] = set()
+    for path, reason in entries:
+        for spelling in spellings(path, realpath):
+            if spelling not in seen:
+                seen.add(spelling)
+                rules.append(PathRule(path=spelling, reason=reason))
+    return rules
+
+
+def _check_glob(glob: str) -> str:
+    if not glob or "/" in glob or "\x00" in glob or len(glob) > MAX_GLOB_LENGTH:
+        raise BadSpec(
+            f"create-time glob {glob!r} must be one non-empty file name pattern without '/'",
+            fix="write it as a name pattern such as '*.pem' or '.env'",
+        )
+    return glob
+
+
+def compile_policy(
+    spec: SandboxSpec,
+    host: HostFacts,
+    *,
+    deny_create_globs: Iterable[str] = (),
+) -> CompiledPolicy:
+    """Compile a spec against the host's facts.
+
+    `deny_create_globs` are create-time filename rules (the standard dispatch policy passes
+    `.env`, `*.key`, `*.pem`); the policy carries them for backends that can enforce them.
+
+    Raises:
+        BadSpec: a bind mount's host path does not exist, or a glob is malformed.
+    """
+    realpath = host.realpath
+    home = host.home.rstrip("/") or "/"
+
+    mounts: list[Mount] = []
+    for bind in spec.bind_mounts:
+        if not host.exists(bind.host_path):
+            raise BadSpec(
+                f"bind mount hostPath {bind.host_path!r} does not exist",
+                fix="create it first or remove it from bindMounts",
+            )
+        resolved = realpath(bind.host_path)
+        mounts.append(
+            Mount(
+                host_path=resolved,
+                literal_path=bind.host_path,
+                guest_path=bind.guest,
+                writable=spec.mode.binds_writable and not bind.read_only,
+                reason="bind mount" if spec.mode.binds_writable else f"bind mount ({spec.mode})",
+            )
+        )
+    for state_dir in spec.runner_state_dirs:
+        if not host.exists(state_dir):
+            raise BadSpec(
+                f"runnerStateDirs entry {state_dir!r} does not exist",
+                fix="create the runner state directory before launch",
+            )
+        mounts.append(
+            Mount(
+                host_path=realpath(state_dir),
+                literal_path=state_dir,
+                guest_path=state_dir,
+                writable=True,
+                reason="runner state directory",
+            )
+        )
+
+    deny_read = _rules(
+        [(posixpath.join(home, rel), why) for rel, why in SECRET_DENY_READ]
+        + list(SYSTEM_DENY_READ),
+        realpath,
+    )
+
+    roots = {m.literal_path: None for m in mounts if m.writable}
+    roots.update({m.host_path: None for m in mounts if m.writable})
+    mandatory: list[tuple[str, str]] = []
+    for root in [home, *roots]:
+        for rel, why in ROOT_MANDATORY_DENY_WRITE:
+            mandatory.append((posixpath.join(root, rel), why))
+    for rel, why in HOME_MANDATORY_DENY_WRITE:
+        mandatory.append((posixpath.join(home, rel), why))
+    protected = [(p, "protected path (registered checkout)") for p in spec.protected_paths]
+    deny_write = _rules(protected + mandatory, realpath)
+
+    globs = tuple(dict.fromkeys(_check_glob(g) for g in deny_create_globs))
+
+    return CompiledPolicy(
+        session_id=spec.session_id,
+        mode=spec.mode,
+        mounts=tuple(mounts),
+        deny_read=tuple(deny_read),
+        deny_write=tuple(deny_write),
+        deny_create_globs=globs,
+        workdir=spec.guest_workdir,
+        network_allowed=spec.network_allowed,
+        egress_allowlist=spec.egress_allowlist if spec.network_allowed else (),
+        capabilities=spec.capabilities,
+        exec_grant_roots=spec.exec_grant_roots,
+    )

@@ -1,0 +1,105 @@
+"""The reviewed path sets, each entry with the reason it is there.
+
+Paths under `$HOME` are written relative to it. Keep each list sorted by purpose; a new entry needs a
+reason a reviewer can check.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = [
+    "HOME_MANDATORY_DENY_WRITE",
+    "ROOT_MANDATORY_DENY_WRITE",
+    "SECRET_DENY_READ",
+    "STANDARD_DENY_CREATE_GLOBS",
+    "SYSTEM_DENY_READ",
+]
+
+# Credential stores under $HOME: never readable from inside a sandbox.
+SECRET_DENY_READ: Final[tuple[tuple[str, str], ...]] = (
+    # The five the reference page names.
+    (".ssh", "SSH private keys, agent sockets and known hosts"),
+    (".aws", "AWS CLI credentials and SSO token cache"),
+    (".gnupg", "GnuPG private keys and agent socket"),
+    (".config/gh", "GitHub CLI OAuth token (hosts.yml)"),
+    ("Library/Keychains", "macOS keychains"),
+    # The rest: real credential stores of common tools.
+    (".azure", "Azure CLI tokens and service principal secrets"),
+    (".config/gcloud", "Google Cloud SDK credentials and access tokens"),
+    (".kube", "kubeconfig: cluster certificates and bearer tokens"),
+    (".docker/config.json", "Docker registry auth tokens"),
+    (".netrc", "machine passwords used by curl, git and ftp"),
+    (".git-credentials", "git credential-store plaintext passwords and tokens"),
+    (".config/git/credentials", "git credential-store plaintext (XDG location)"),
+    (".npmrc", "npm registry auth tokens"),
+    (".pypirc", "PyPI upload tokens"),
+    (".cargo/credentials", "crates.io API token (old name)"),
+    (".cargo/credentials.toml", "crates.io API token"),
+    (".gem/credentials", "RubyGems API key"),
+    (".config/hub", "hub CLI GitHub token"),
+    (".terraform.d/credentials.tfrc.json", "Terraform Cloud API tokens"),
+    (".vault-token", "HashiCorp Vault token"),
+    (".password-store", "pass password store"),
+    (".local/share/keyrings", "GNOME keyring files"),
+    (".config/op", "1Password CLI session and config"),
+    (".oci", "Oracle Cloud API signing keys"),
+    (".config/doctl", "DigitalOcean API token"),
+    (".m2/settings-security.xml", "Maven master password"),
+    (".gradle/gradle.properties", "Gradle publishing credentials"),
+    (".composer/auth.json", "Composer registry tokens"),
+    (".boto", "legacy AWS and GCS credentials"),
+    (".s3cfg", "s3cmd access keys"),
+    (".config/rclone", "rclone remote credentials"),
+)
+
+# Host secrets outside $HOME that a read-only view of /etc would otherwise expose.
+SYSTEM_DENY_READ: Final[tuple[tuple[str, str], ...]] = (
+    ("/etc/shadow", "password hashes"),
+    ("/etc/shadow-", "backup of password hashes"),
+    ("/etc/gshadow", "group password hashes"),
+    ("/etc/gshadow-", "backup of group password hashes"),
+    ("/etc/ssh/ssh_host_rsa_key", "SSH host private key"),
+    ("/etc/ssh/ssh_host_ecdsa_key", "SSH host private key"),
+    ("/etc/ssh/ssh_host_ed25519_key", "SSH host private key"),
+    ("/etc/ssh/ssh_host_dsa_key", "SSH host private key"),
+    ("/etc/ssl/private", "TLS private keys"),
+    ("/etc/krb5.keytab", "Kerberos host keytab"),
+)
+
+# Names that are never writable inside any writable root, because writing them runs code on the
+# host later (the user's shell, git, an editor, the agent runner) or redirects it.
+ROOT_MANDATORY_DENY_WRITE: Final[tuple[tuple[str, str], ...]] = (
+    (".bashrc", "shell rc: runs in every interactive bash"),
+    (".bash_profile", "shell rc: runs in every bash login"),
+    (".bash_login", "shell rc: runs in bash login"),
+    (".bash_logout", "shell rc: runs at bash logout"),
+    (".profile", "shell rc: runs in every POSIX login shell"),
+    (".zshrc", "shell rc: runs in every interactive zsh"),
+    (".zshenv", "shell rc: runs in every zsh"),
+    (".zprofile", "shell rc: runs in zsh login"),
+    (".zlogin", "shell rc: runs in zsh login"),
+    (".zlogout", "shell rc: runs at zsh logout"),
+    (".config/fish/config.fish", "shell rc: runs in every fish"),
+    (".gitconfig", "git config: core.hooksPath, aliases and fsmonitor run code"),
+    (".gitmodules", "submodule URLs and update commands"),
+    (".git/hooks", "git hooks run on the host at the next commit"),
+    (".git/config", "git config: core.hooksPath and fsmonitor run code"),
+    (".ripgreprc", "redirects the agent's search tool"),
+    (".mcp.json", "MCP server commands the agent runner starts"),
+    (".claude/settings.json", "Claude config: hooks and allowed commands"),
+    (".claude/settings.local.json", "Claude config: hooks and allowed commands"),
+    (".claude/commands", "Claude config: slash commands"),
+    (".claude/agents", "Claude config: sub-agent definitions"),
+    (".vscode", "editor tasks and settings that run code on open"),
+    (".idea", "IDE run configurations"),
+)
+
+# Under $HOME only: the user's own agent runner config.
+HOME_MANDATORY_DENY_WRITE: Final[tuple[tuple[str, str], ...]] = (
+    (".claude", "Claude config directory: hooks, commands, credentials"),
+    (".claude.json", "Claude config: MCP servers and project settings"),
+)
+
+# The standard dispatch policy's create-time rules: no new env or key files inside writable binds.
+STANDARD_DENY_CREATE_GLOBS: Final[tuple[str, ...]] = (".env", "*.key", "*.pem")
