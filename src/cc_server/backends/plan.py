@@ -7,7 +7,16 @@ from dataclasses import dataclass, field
 
 from cc_server.policy import SandboxBackend
 
-__all__ = ["FdArg", "LaunchPlan"]
+__all__ = ["Command", "FdArg", "LaunchPlan"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Command:
+    """What to run: argv, the exact environment it gets, and its working directory."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

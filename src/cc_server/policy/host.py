@@ -30,6 +30,7 @@ class HostFacts:
     home: str
     realpath: Callable[[str], str] = field(compare=False)
     exists: Callable[[str], bool] = field(compare=False)
+    is_dir: Callable[[str], bool] = field(default=os.path.isdir, compare=False)
 
     @classmethod
     def current(cls, platform: Platform | None = None) -> HostFacts:
@@ -39,6 +40,7 @@ class HostFacts:
             home=os.path.expanduser("~"),
             realpath=os.path.realpath,
             exists=os.path.lexists,
+            is_dir=os.path.isdir,
         )
 
 

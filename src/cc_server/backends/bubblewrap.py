@@ -1,0 +1,263 @@
+"""Linux `native`: turn a CompiledPolicy and a command into a bubblewrap LaunchPlan.
+
+Pure: reads the host only through HostFacts (what exists, where symlinks point); runs nothing. The
+argv is built in the launch order `docs/launch.md` lists, one numbered step per helper below.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+
+from cc_server.backends.plan import Command, FdArg, LaunchPlan
+from cc_server.backends.seccomp import filter_bpf
+from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
+from cc_server.policy import CompiledPolicy, HostFacts, Mount, SandboxBackend
+
+__all__ = ["SANDBOX_HOSTNAME", "SYSTEM_RO_PATHS", "plan_bubblewrap"]
+
+SANDBOX_HOSTNAME = "cc-sandbox"
+
+# What a shell and common toolchains need, read-only. Symlinks (merged /usr) are recreated as
+# symlinks so the layout matches the host's.
+SYSTEM_RO_PATHS: tuple[str, ...] = (
+    "/usr",
+    "/etc",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+)
+
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _ancestors_between(root: str, path: str) -> list[str]:
+    """Directories strictly between `root` and `path`, outermost first."""
+    rel = posixpath.relpath(path, root)
+    parts = rel.split("/")[:-1]
+    out, cur = [], root
+    for part in parts:
+        cur = posixpath.join(cur, part)
+        out.append(cur)
+    return out
+
+
+def _check_policy(policy: CompiledPolicy) -> None:
+    if policy.requires_create_rules:
+        raise BackendUnavailable(
+            "this policy forbids creating files by name pattern "
+            f"({', '.join(policy.deny_create_globs)}); bubblewrap can shadow existing paths but "
+            "cannot refuse a new name inside a writable bind, so the run is refused rather than "
+            "started with a weaker policy",
+            fix="a backend with create-time filename rules is required to restore Linux native "
+            "dispatch; disabling the sandbox is an unconfined opt-out, not an equivalent",
+        )
+    for mount in policy.mounts:
+        if mount.guest_path != mount.literal_path:
+            raise BadSpec(
+                f"bind mount {mount.literal_path!r} asks for guest path {mount.guest_path!r}; "
+                "the native sandbox maps host paths 1:1",
+                fix="set guestPath equal to hostPath (or omit it)",
+            )
+        if "\n" in mount.host_path or "\x00" in mount.host_path:
+            raise BadSpec(f"bind mount path {mount.host_path!r} contains a control character")
+
+
+def _step_namespaces() -> list[str | FdArg]:
+    # 1. Namespaces and process hygiene: every namespace, no capabilities, no nested user
+    #    namespaces, a new session (no TIOCSTI into the caller's terminal), die with the server.
+    return [
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--disable-userns",
+        "--hostname",
+        SANDBOX_HOSTNAME,
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+    ]
+
+
+def _step_system(host: HostFacts) -> list[str | FdArg]:
+    # 2. System runtime paths read-only, fresh /proc and /dev, private /tmp and /var/tmp.
+    args: list[str | FdArg] = []
+    for path in SYSTEM_RO_PATHS:
+        if not host.exists(path):
+            continue
+        target = host.realpath(path)
+        if target != path and posixpath.dirname(target) == "/usr":
+            args += ["--symlink", posixpath.relpath(target, "/"), path]
+        else:
+            args += ["--ro-bind", path, path]
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
+    return args
+
+
+def _step_home(host: HostFacts, mounts: Sequence[Mount]) -> list[str | FdArg]:
+    # 3. An empty, throw-away $HOME unless a bind makes the real one visible.
+    home = host.home
+    if home == "/" or any(_under(home, m.host_path) for m in mounts):
+        return []
+    return ["--tmpfs", home]
+
+
+def _step_binds(host: HostFacts, mounts: Sequence[Mount]) -> list[str | FdArg]:
+    # 4. The spec's bind mounts, shallowest first so a deeper bind lands on top of its parent.
+    args: list[str | FdArg] = []
+    for mount in sorted(mounts, key=lambda m: m.host_path.count("/")):
+        args += ["--bind" if mount.writable else "--ro-bind", mount.host_path, mount.host_path]
+        if mount.literal_path != mount.host_path:
+            args += ["--symlink", mount.host_path, mount.literal_path]
+    return args
+
+
+def _pin_ancestors(root: Mount, path: str, pinned: set[str]) -> list[str | FdArg]:
+    """Self-bind each directory between a writable root and a rule's path.
+
+    A mount point cannot be renamed or removed (EBUSY), so `mv parent elsewhere; mkdir parent`
+    cannot move a denied path out from under its rule while the parent stays writable.
+    """
+    args: list[str | FdArg] = []
+    for ancestor in _ancestors_between(root.host_path, path):
+        if ancestor not in pinned:
+            pinned.add(ancestor)
+            args += ["--bind", ancestor, ancestor]
+    return args
+
+
+def _visible_mount(mounts: Sequence[Mount], path: str) -> Mount | None:
+    best: Mount | None = None
+    for mount in mounts:
+        if _under(path, mount.host_path) and (
+            best is None or len(mount.host_path) > len(best.host_path)
+        ):
+            best = mount
+    return best
+
+
+def _step_deny_write(
+    host: HostFacts, policy: CompiledPolicy, pinned: set[str]
+) -> list[str | FdArg]:
+    # 5. Protected paths and mandatory denies read-only, even inside a writable bind.
+    args: list[str | FdArg] = []
+    done: set[str] = set()
+    for rule in policy.deny_write:
+        mount = _visible_mount(policy.mounts, rule.path)
+        if mount is None or not mount.writable or not host.exists(rule.path):
+            continue
+        target = host.realpath(rule.path)
+        if target in done or not _under(target, mount.host_path):
+            continue
+        done.add(target)
+        args += _pin_ancestors(mount, target, pinned)
+        args += ["--ro-bind", target, target]
+    return args
+
+
+def _step_deny_read(
+    host: HostFacts, policy: CompiledPolicy, pinned: set[str]
+) -> list[str | FdArg]:
+    # 6. Secrets masked wherever a bind or a system path would expose them. Directories get an
+    #    empty read-only tmpfs, files an empty read-only file. Masks come last so they win.
+    args: list[str | FdArg] = []
+    done: set[str] = set()
+    system = [Mount(host_path=p, literal_path=p, guest_path=p, writable=False, reason="system")
+              for p in SYSTEM_RO_PATHS]
+    for rule in policy.deny_read:
+        mount = _visible_mount([*policy.mounts, *system], rule.path)
+        if mount is None or not host.exists(rule.path):
+            continue
+        target = host.realpath(rule.path)
+        if target in done or not _under(target, mount.host_path):
+            continue
+        done.add(target)
+        if mount.writable:
+            args += _pin_ancestors(mount, target, pinned)
+        if host.is_dir(target):
+            args += ["--tmpfs", target, "--remount-ro", target]
+        else:
+            args += ["--ro-bind", "/dev/null", target]
+    return args
+
+
+def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
+    if policy.workdir is not None:
+        return policy.workdir
+    for mount in policy.mounts:
+        if mount.reason.startswith("bind mount"):
+            return mount.host_path
+    return host.home
+
+
+def plan_bubblewrap(
+    policy: CompiledPolicy, command: Command, *, host: HostFacts, bwrap: str
+) -> LaunchPlan:
+    """Plan a bubblewrap launch of `command` under `policy`.
+
+    `bwrap` is the absolute path the probe resolved.
+
+    Raises:
+        BackendUnavailable: the policy needs create-time filename rules, which bwrap cannot enforce.
+        BadSpec: a mount asks for a guest path other than its host path, or a command is empty.
+        EnforcementFailed: the seccomp filter could not be built.
+    """
+    if not command.argv:
+        raise BadSpec("the command is empty", fix="pass the program to run after '--'")
+    if not posixpath.isabs(bwrap):
+        raise EnforcementFailed(f"bwrap path {bwrap!r} is not absolute; it must come from the probe")
+    _check_policy(policy)
+    try:
+        bpf = filter_bpf()
+    except OSError as exc:
+        raise EnforcementFailed(
+            f"could not build the seccomp filter: {exc}",
+            fix="install libseccomp2 (apt-get install libseccomp2)",
+        ) from exc
+
+    pinned: set[str] = {m.host_path for m in policy.mounts}
+    cwd = command.cwd or _default_cwd(policy, host)
+    argv: list[str | FdArg] = [bwrap]
+    argv += _step_namespaces()
+    argv += _step_system(host)
+    argv += _step_home(host, policy.mounts)
+    argv += _step_binds(host, policy.mounts)
+    argv += _step_deny_write(host, policy, pinned)
+    argv += _step_deny_read(host, policy, pinned)
+    # 7. Everything not explicitly writable above is read-only, including the sandbox's root.
+    argv += ["--remount-ro", "/"]
+    # 8. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
+    argv += ["--chdir", cwd, "--seccomp", FdArg(name="seccomp.bpf", data=bpf)]
+    argv += ["--", *command.argv]
+
+    env = dict(command.env)
+    env.setdefault("PATH", DEFAULT_PATH)
+    env.setdefault("HOME", host.home)
+    return LaunchPlan(
+        backend=SandboxBackend.NATIVE,
+        argv=tuple(argv),
+        env=tuple(sorted(env.items())),
+        cwd=None,
+        notes=_notes(policy),
+    )
+
+
+def _notes(policy: CompiledPolicy) -> tuple[str, ...]:
+    notes: list[str] = []
+    if not policy.network_allowed:
+        notes.append("network: none (network disabled for this session)")
+    else:
+        notes.append("network: none until the egress proxies are bridged in")
+    return tuple(notes)
+

@@ -1,0 +1,346 @@
+"""SandboxHandle and Execution: a launched sandbox, and one command running in it.
+
+Every running command has an owner (its Execution's TaskGroup); `destroy()` kills every command
+still running, waits for it, and is idempotent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from cc_server.backends.plan import Command, LaunchPlan
+from cc_server.backends.runner import start
+from cc_server.errors import BadSpec
+from cc_server.policy import CompiledPolicy, SandboxBackend
+from cc_server.runtime.events import (
+    EventType,
+    SandboxEvent,
+    SandboxState,
+    SandboxViolation,
+    check_transition,
+)
+
+__all__ = ["Execution", "SandboxHandle"]
+
+EVENT_QUEUE_SIZE: Final = 256  # events buffered per execution before readers wait for the consumer
+READ_CHUNK_BYTES: Final = 64 * 1024  # one stdout/stderr event carries at most this much
+KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to be reaped
+
+Planner = Callable[[CompiledPolicy, Command], LaunchPlan]
+
+
+@dataclass(eq=False)
+class SandboxHandle:
+    """A launched sandbox. Returned by SandboxPort.launch.
+
+    `backend` is the backend actually running, never the one that was merely asked for.
+    """
+
+    session_id: str
+    backend: SandboxBackend
+    policy: CompiledPolicy
+    planner: Planner = field(repr=False)
+    state: SandboxState = SandboxState.CREATED
+    error: BaseException | None = None
+    details: dict[str, object] = field(default_factory=dict)
+    violations: list[SandboxViolation] = field(default_factory=list)
+    _running: set[Execution] = field(default_factory=set, repr=False)
+    _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
+
+    def transition(self, new: SandboxState) -> None:
+        """Move to `new`, or raise IllegalTransition (a bug)."""
+        check_transition(self.state, new)
+        self.state = new
+
+    def fail(self, error: BaseException) -> None:
+        """Record a launch failure."""
+        self.error = error
+        self.transition(SandboxState.ERROR)
+
+    def plan(self, command: Command) -> LaunchPlan:
+        """The launch plan for `command` under this sandbox's policy; runs nothing.
+
+        Raises:
+            CcServerError: the backend refuses the command (see the backend's planner).
+        """
+        return self.planner(self.policy, command)
+
+    def exec(
+        self,
+        argv: tuple[str, ...] | list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+        stdin: bytes | None = None,
+        interactive_stdin: bool = False,
+        inherit_stdio: bool = False,
+        timeout_s: float | None = None,
+    ) -> Execution:
+        """Prepare `argv` to run in the sandbox; use `async with` (or `run()`) to start it.
+
+        `stdin` bytes are written then closed; `interactive_stdin` keeps a pipe open for
+        `Execution.write_stdin`; `inherit_stdio` passes the server's own stdio (a TTY) through and
+        then only `starting`, `ready`, `violation`, `killed` and `exit` are emitted.
+
+        Raises:
+            BadSpec: the handle is destroyed or in error, or the options conflict.
+        """
+        if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):
+            raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
+        if inherit_stdio and (stdin is not None or interactive_stdin):
+            raise BadSpec("inherit_stdio cannot be combined with stdin data")
+        command = Command(
+            argv=tuple(argv), env=tuple(sorted((env or {}).items())), cwd=cwd
+        )
+        return Execution(
+            handle=self,
+            exec_id=f"{self.session_id}:{next(self._ids)}",
+            command=command,
+            stdin=stdin,
+            interactive_stdin=interactive_stdin,
+            inherit_stdio=inherit_stdio,
+            timeout_s=timeout_s,
+        )
+
+    def _started(self, execution: Execution) -> None:
+        self._running.add(execution)
+        self.transition(SandboxState.ACTIVE)
+
+    def _finished(self, execution: Execution) -> None:
+        self._running.discard(execution)
+        if not self._running and self.state is SandboxState.ACTIVE:
+            self.transition(SandboxState.WARM)
+
+    def record_violation(self, violation: SandboxViolation) -> None:
+        """Keep a violation on the handle and forward it to every running execution."""
+        self.violations.append(violation)
+        for execution in list(self._running):
+            execution.push_violation(violation)
+
+    async def destroy(self) -> None:
+        """Kill every running command, wait for it, and invalidate the handle. Idempotent."""
+        if self.state is SandboxState.DESTROYED:
+            return
+        for execution in list(self._running):
+            await execution.kill(reason="destroyed")
+        self.transition(SandboxState.DESTROYED)
+
+    def to_json(self) -> dict[str, object]:
+        """The spec's SandboxHandle fields, camelCase."""
+        return {
+            "sessionId": self.session_id,
+            "backend": str(self.backend),
+            "state": str(self.state),
+            "error": None if self.error is None else str(self.error),
+            "details": dict(self.details),
+            "violations": [v.to_json() for v in self.violations],
+        }
+
+
+class Execution:
+    """One command in a sandbox: an async context manager and an async iterator of events."""
+
+    def __init__(
+        self,
+        *,
+        handle: SandboxHandle,
+        exec_id: str,
+        command: Command,
+        stdin: bytes | None,
+        interactive_stdin: bool,
+        inherit_stdio: bool,
+        timeout_s: float | None,
+    ) -> None:
+        self.handle = handle
+        self.exec_id = exec_id
+        self.command = command
+        self._stdin_data = stdin
+        self._interactive = interactive_stdin
+        self._inherit = inherit_stdio
+        self._timeout_s = timeout_s
+        self._queue: asyncio.Queue[SandboxEvent] = asyncio.Queue(EVENT_QUEUE_SIZE)
+        self._proc: asyncio.subprocess.Process | None = None
+        self._killed_reason: str | None = None
+        self._task_group: asyncio.TaskGroup | None = None
+        self._done = asyncio.Event()
+        self.exit_code: int | None = None
+
+    def _event(self, kind: EventType, **fields: Any) -> SandboxEvent:
+        return SandboxEvent(
+            type=kind, session_id=self.handle.session_id, exec_id=self.exec_id, **fields
+        )
+
+    def push_violation(self, violation: SandboxViolation) -> None:
+        """Queue a violation event without blocking (dropped only if the consumer is gone)."""
+        with contextlib.suppress(asyncio.QueueFull):
+            self._queue.put_nowait(self._event(EventType.VIOLATION, violation=violation))
+
+    async def __aenter__(self) -> Execution:
+        plan = self.handle.plan(self.command)
+        await self._queue.put(self._event(EventType.STARTING))
+        pipe = asyncio.subprocess.PIPE
+        stdin_mode = (
+            None if self._inherit
+            else pipe if (self._stdin_data is not None or self._interactive)
+            else asyncio.subprocess.DEVNULL
+        )
+        self._proc = await start(
+            plan,
+            stdin=stdin_mode,
+            stdout=None if self._inherit else pipe,
+            stderr=None if self._inherit else pipe,
+        )
+        self.handle._started(self)
+        await self._queue.put(self._event(EventType.READY))
+        self._task_group = asyncio.TaskGroup()
+        await self._task_group.__aenter__()
+        self._task_group.create_task(self._supervise(), name=f"exec {self.exec_id} supervise")
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if not self._done.is_set():
+            await self.kill(reason="manual")
+        # Nobody reads the events any more: drain them so no reader blocks on a full queue.
+        while not self._done.is_set():
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._done.wait(), timeout=0.05)
+        assert self._task_group is not None
+        await self._task_group.__aexit__(None, None, None)
+
+    async def _pump(self, stream: asyncio.StreamReader | None, kind: EventType) -> None:
+        if stream is None:
+            return
+        while chunk := await stream.read(READ_CHUNK_BYTES):
+            await self._queue.put(self._event(kind, data=chunk))
+
+    async def _feed_stdin(self) -> None:
+        assert self._proc is not None and self._proc.stdin is not None
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            if self._stdin_data:
+                self._proc.stdin.write(self._stdin_data)
+                await self._proc.stdin.drain()
+            self._proc.stdin.close()
+
+    async def _supervise(self) -> None:
+        proc = self._proc
+        assert proc is not None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._pump(proc.stdout, EventType.STDOUT), name="stdout")
+                tg.create_task(self._pump(proc.stderr, EventType.STDERR), name="stderr")
+                if self._stdin_data is not None:
+                    tg.create_task(self._feed_stdin(), name="stdin")
+                try:
+                    async with asyncio.timeout(self._timeout_s):
+                        await proc.wait()
+                except TimeoutError:
+                    await self.kill(reason="timeout")
+        finally:
+            code = proc.returncode if proc.returncode is not None else await proc.wait()
+            self.exit_code = 128 - code if code < 0 else code
+            if self._killed_reason is not None:
+                await self._queue.put(self._event(EventType.KILLED, reason=self._killed_reason))
+            await self._queue.put(self._event(EventType.EXIT, exit_code=self.exit_code))
+            self.handle._finished(self)
+            self._done.set()
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Send bytes to an interactive execution's stdin."""
+        if self._proc is None or self._proc.stdin is None:
+            raise BadSpec("this execution has no interactive stdin")
+        self._proc.stdin.write(data)
+        await self._proc.stdin.drain()
+
+    def close_stdin(self) -> None:
+        """Send EOF to an interactive execution."""
+        if self._proc is not None and self._proc.stdin is not None:
+            self._proc.stdin.close()
+
+    async def kill(self, reason: str = "manual") -> None:
+        """SIGKILL the command's whole host-side process group; idempotent.
+
+        For bubblewrap that takes the sandbox's PID 1, and the kernel then kills every process in
+        the sandbox's PID namespace.
+        """
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        if self._killed_reason is None:
+            self._killed_reason = reason
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(KILL_GRACE_S):
+                await proc.wait()
+
+    def __aiter__(self) -> AsyncIterator[SandboxEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[SandboxEvent]:
+        while True:
+            event = await self._queue.get()
+            yield event
+            if event.type is EventType.EXIT:
+                return
+
+    async def wait(self) -> int:
+        """Wait for the command to exit and return its exit code (128+N for signal N)."""
+        await self._done.wait()
+        assert self.exit_code is not None
+        return self.exit_code
+
+    async def collect(self) -> CollectedResult:
+        """Drain every event; return output, exit code and violations together."""
+        out, err = bytearray(), bytearray()
+        violations: list[SandboxViolation] = []
+        killed: str | None = None
+        code = -1
+        async for event in self:
+            if event.type is EventType.STDOUT and event.data:
+                out += event.data
+            elif event.type is EventType.STDERR and event.data:
+                err += event.data
+            elif event.type is EventType.VIOLATION and event.violation:
+                violations.append(event.violation)
+            elif event.type is EventType.KILLED:
+                killed = event.reason
+            elif event.type is EventType.EXIT and event.exit_code is not None:
+                code = event.exit_code
+        return CollectedResult(
+            exit_code=code,
+            stdout=bytes(out),
+            stderr=bytes(err),
+            violations=tuple(violations),
+            killed=killed,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CollectedResult:
+    """Everything one execution produced, for simple callers."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    violations: tuple[SandboxViolation, ...]
+    killed: str | None
+
+
+async def run_collect(handle: SandboxHandle, argv: list[str], **kwargs: Any) -> CollectedResult:
+    """Run `argv` in `handle` and collect its result.
+
+    Raises:
+        CcServerError: the command could not be planned or started (it did not run).
+    """
+    async with handle.exec(argv, **kwargs) as execution:
+        return await execution.collect()
+
