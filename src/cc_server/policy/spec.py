@@ -102,7 +102,14 @@ class AgentCapabilities(_Model):
     """What the agent may do; derives the network decision and the GitHub egress domains."""
 
     can_use_network: bool = Field(True, description="Outbound network through the proxies")
-    can_call_github_api: bool = Field(False, description="GitHub API domains join the allowlist")
+    can_call_github_api: bool = Field(
+        False,
+        # The reference page spells it canCallGitHubApi; to_camel would give canCallGithubApi.
+        # Not `alias=`, so type checkers keep the Python name as the keyword.
+        validation_alias="canCallGitHubApi",
+        serialization_alias="canCallGitHubApi",
+        description="GitHub API domains join the allowlist",
+    )
     can_push: bool = Field(False, description="git push; earns the GitHub domains too")
     can_call_ticketing: bool = Field(False, description="Ticketing-provider API access")
 
