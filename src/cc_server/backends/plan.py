@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from cc_server.policy import SandboxBackend
+from cc_server.policy import CompiledPolicy, SandboxBackend
 
-__all__ = ["Command", "FdArg", "LaunchPlan"]
+__all__ = ["Command", "FdArg", "LaunchPlan", "Planner"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,3 +69,7 @@ class LaunchPlan:
             "cwd": self.cwd,
             "notes": list(self.notes),
         }
+
+
+Planner = Callable[[CompiledPolicy, Command], "LaunchPlan"]
+"""A backend's pure planning function with its host facts and tool paths bound."""

@@ -1,23 +1,32 @@
 """The runner: the only code in cc-server that spawns a sandboxed or host command.
 
 It materialises a LaunchPlan's fd payloads in sealed memfds (nothing on disk), starts the argv with
-exactly the plan's environment, and closes every fd it opened, whatever happens.
+exactly the plan's environment in a new session, and closes every fd it opened, whatever happens.
+Two entry points: `start` (asyncio, for the runtime's event streams) and `run_attached` (blocking,
+stdio inherited, for the CLI; it does not import asyncio, which the per-run CLI would pay for).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import os
-from typing import IO, Any
+import signal
+import subprocess
+from collections.abc import Iterator
+from types import FrameType
+from typing import IO, TYPE_CHECKING, Any
 
 from cc_server.backends.plan import FdArg, LaunchPlan
 from cc_server.errors import EnforcementFailed
 
-__all__ = ["start"]
+if TYPE_CHECKING:
+    import asyncio
+
+__all__ = ["run_attached", "start"]
 
 _Stream = int | IO[Any] | None
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _sealed_memfd(arg: FdArg) -> int:
@@ -33,41 +42,18 @@ def _sealed_memfd(arg: FdArg) -> int:
     return fd
 
 
-async def start(
-    plan: LaunchPlan,
-    *,
-    stdin: _Stream = None,
-    stdout: _Stream = None,
-    stderr: _Stream = None,
-) -> asyncio.subprocess.Process:
-    """Spawn the plan. `None` streams are inherited from the server process (TTY pass-through).
-
-    The child starts in a new session so the whole host-side process group can be signalled.
-
-    Raises:
-        EnforcementFailed: the program could not be started (missing binary, bad cwd, fd setup);
-            the command has not run.
-    """
+@contextlib.contextmanager
+def _materialised(plan: LaunchPlan) -> Iterator[tuple[list[str], tuple[int, ...]]]:
     fds: list[int] = []
     try:
         argv: list[str] = []
         for word in plan.argv:
             if isinstance(word, FdArg):
-                fd = _sealed_memfd(word)
-                fds.append(fd)
-                argv.append(str(fd))
+                fds.append(_sealed_memfd(word))
+                argv.append(str(fds[-1]))
             else:
                 argv.append(word)
-        return await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            env=dict(plan.env),
-            cwd=plan.cwd,
-            pass_fds=tuple(fds),
-            start_new_session=True,
-        )
+        yield argv, tuple(fds)
     except OSError as exc:
         raise EnforcementFailed(
             f"could not start {plan.argv[0]!s}: {exc.strerror or exc}",
@@ -77,3 +63,66 @@ async def start(
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+async def start(
+    plan: LaunchPlan,
+    *,
+    stdin: _Stream = None,
+    stdout: _Stream = None,
+    stderr: _Stream = None,
+) -> asyncio.subprocess.Process:
+    """Spawn the plan. `None` streams are inherited from the server process.
+
+    The child starts in a new session so its whole host-side process group can be signalled.
+
+    Raises:
+        EnforcementFailed: the program could not be started (missing binary, bad cwd, fd setup);
+            the command has not run.
+    """
+    import asyncio  # noqa: PLC0415 (see the module docstring)
+
+    with _materialised(plan) as (argv, fds):
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=stdin,
+            stdout=stdout,
+            stderr=stderr,
+            env=dict(plan.env),
+            cwd=plan.cwd,
+            pass_fds=fds,
+            start_new_session=True,
+        )
+    raise AssertionError("unreachable")  # pragma: no cover (the context manager re-raises)
+
+
+def run_attached(plan: LaunchPlan) -> int:
+    """Run the plan with the caller's stdio (a TTY passes through) and return its exit code.
+
+    SIGINT, SIGTERM and SIGHUP received meanwhile are forwarded to the command's process group;
+    for bubblewrap that ends the sandbox's PID 1 and with it every process in the sandbox.
+    A command killed by signal N returns 128+N.
+
+    Raises:
+        EnforcementFailed: the program could not be started; the command has not run.
+    """
+    with _materialised(plan) as (argv, fds):
+        proc = subprocess.Popen(  # noqa: S603 (argv comes from a backend plan, never a shell)
+            argv, env=dict(plan.env), cwd=plan.cwd, pass_fds=fds, start_new_session=True
+        )
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        code = proc.wait()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return 128 - code if code < 0 else code

@@ -11,11 +11,11 @@ import contextlib
 import itertools
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from cc_server.backends.plan import Command, LaunchPlan
+from cc_server.backends.plan import Command, LaunchPlan, Planner
 from cc_server.backends.runner import start
 from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
@@ -32,8 +32,6 @@ __all__ = ["Execution", "SandboxHandle"]
 EVENT_QUEUE_SIZE: Final = 256  # events buffered per execution before readers wait for the consumer
 READ_CHUNK_BYTES: Final = 64 * 1024  # one stdout/stderr event carries at most this much
 KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to be reaped
-
-Planner = Callable[[CompiledPolicy, Command], LaunchPlan]
 
 
 @dataclass(eq=False)

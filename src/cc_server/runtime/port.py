@@ -1,35 +1,26 @@
 """SandboxPort, its two adapters, and the SandboxManager that chooses between them.
 
-The choice is the reference page's, exactly:
-- unspecified backend: `native` when the boot probe found one and `--sandbox` is on, else `none`;
-- an explicit `native` that the host cannot provide fails loudly (never steps down to `none`);
-- an explicit `microvm` fails loudly until the microVM backend exists here;
-- an explicit `none` runs on the host.
+The backend choice lives in `runtime.select` (the reference page's rules); the manager applies it
+and owns every live handle.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Protocol
 
-from cc_server.backends.bubblewrap import plan_bubblewrap
-from cc_server.backends.none import plan_none
-from cc_server.backends.plan import Command
+from cc_server.backends.plan import Command, Planner
 from cc_server.backends.probe import ProbeResult
-from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
-from cc_server.policy import (
-    HostFacts,
-    Platform,
-    SandboxBackend,
-    SandboxSpec,
-    compile_policy,
-)
+from cc_server.errors import BadSpec, CcServerError
+from cc_server.policy import HostFacts, Platform, SandboxBackend, SandboxSpec, compile_policy
 from cc_server.runtime.events import SandboxState
-from cc_server.runtime.handle import Planner, SandboxHandle
+from cc_server.runtime.handle import SandboxHandle
+from cc_server.runtime.select import choose_backend, planner_for
 
 __all__ = ["NativeSandboxAdapter", "NoSandboxAdapter", "SandboxManager", "SandboxPort"]
+
+_NO_PROBE = ProbeResult(platform=Platform.OTHER, available=False)  # `none` needs no probe
 
 
 class SandboxPort(Protocol):
@@ -48,11 +39,10 @@ def _launch(
     spec: SandboxSpec,
     host: HostFacts,
     backend: SandboxBackend,
-    planner_for: Planner | None,
+    planner: Planner,
     deny_create_globs: Iterable[str],
 ) -> SandboxHandle:
     policy = compile_policy(spec, host, deny_create_globs=deny_create_globs)
-    planner = planner_for if planner_for is not None else plan_none
     handle = SandboxHandle(
         session_id=spec.session_id, backend=backend, policy=policy, planner=planner
     )
@@ -82,7 +72,8 @@ class NoSandboxAdapter:
         Raises:
             BadSpec: the spec does not compile (a bind source is missing, a glob is malformed).
         """
-        return _launch(spec, self.host, self.backend, None, deny_create_globs)
+        planner = planner_for(self.backend, _NO_PROBE, self.host)
+        return _launch(spec, self.host, self.backend, planner, deny_create_globs)
 
 
 @dataclass
@@ -98,23 +89,6 @@ class NativeSandboxAdapter:
         """Whether the boot probe found a native backend on this host."""
         return self.probe_result.available
 
-    def _planner(self) -> Planner:
-        result = self.probe_result
-        if not result.available:
-            raise BackendUnavailable(
-                "no OS-native sandbox on this host",
-                fix=result.hint or "install the native sandbox tools",
-            )
-        if result.mechanism == "bubblewrap" and self.host.platform in (
-            Platform.LINUX,
-            Platform.WSL2,
-        ):
-            return partial(plan_bubblewrap, host=self.host, bwrap=result.tools["bwrap"])
-        raise BackendUnavailable(
-            f"the {result.mechanism} adapter is not available in this build",
-            fix="use a Linux host with bubblewrap, or request backend 'none' explicitly",
-        )
-
     def launch(
         self, spec: SandboxSpec, *, deny_create_globs: Iterable[str] = ()
     ) -> SandboxHandle:
@@ -126,7 +100,8 @@ class NativeSandboxAdapter:
             BadSpec: the spec does not compile.
             EnforcementFailed: the seccomp filter could not be built.
         """
-        return _launch(spec, self.host, self.backend, self._planner(), deny_create_globs)
+        planner = planner_for(self.backend, self.probe_result, self.host)
+        return _launch(spec, self.host, self.backend, planner, deny_create_globs)
 
 
 @dataclass
@@ -148,23 +123,8 @@ class SandboxManager:
         Raises:
             BackendUnavailable: an explicitly requested backend cannot run on this host.
         """
-        if requested is None:
-            if self.sandbox_on and self.native.available:
-                return self.native
-            return self.none
-        if requested is SandboxBackend.NONE:
-            return self.none
-        if requested is SandboxBackend.NATIVE:
-            if not self.native.available:
-                raise BackendUnavailable(
-                    "backend 'native' was requested but this host has no OS-native sandbox",
-                    fix=self.probe_result.hint or "install the native sandbox tools",
-                )
-            return self.native
-        raise BackendUnavailable(
-            "backend 'microvm' was requested but this host cannot boot a microVM",
-            fix="request 'native' or leave the backend unspecified",
-        )
+        backend = choose_backend(self.probe_result, requested, sandbox_on=self.sandbox_on)
+        return self.native if backend is SandboxBackend.NATIVE else self.none
 
     def launch(
         self,
@@ -176,7 +136,7 @@ class SandboxManager:
         """Launch a sandbox for `spec` and keep it until `destroy`.
 
         Raises:
-            BadSpec: the spec is invalid, or a sandbox with this sessionId is already live.
+            BadSpec: a sandbox with this sessionId is already live, or the spec does not compile.
             BackendUnavailable: the requested backend cannot run here.
             EnforcementFailed: isolation could not be prepared.
         """
@@ -199,4 +159,3 @@ class SandboxManager:
         """Destroy every live sandbox. Idempotent."""
         for session_id in list(self.handles):
             await self.destroy(session_id)
-

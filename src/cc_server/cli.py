@@ -1,0 +1,217 @@
+"""`cc-server probe | plan | run`: the command line over the library API."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from cc_server.backends.plan import Command, LaunchPlan
+from cc_server.backends.probe import ProbeResult, probe
+from cc_server.backends.runner import run_attached
+from cc_server.errors import BadSpec, CcServerError
+from cc_server.policy import HostFacts, Mode, SandboxBackend, SandboxSpec, compile_policy, parse_spec
+from cc_server.runtime.select import choose_backend, planner_for
+
+__all__ = ["main"]
+
+# Ordinary variables `run` passes through from the caller; never tokens, keys or passwords.
+PASSTHROUGH_ENV = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
+EXIT_USAGE = 2
+EXIT_REFUSED = 125  # like `env`/`timeout`: the command itself never ran
+
+
+def _bind(value: str) -> dict[str, Any]:
+    parts = value.split(":")
+    read_only = False
+    if len(parts) > 1 and parts[-1] in ("ro", "rw"):
+        read_only = parts.pop() == "ro"
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(
+            f"--bind {value!r}: a path containing ':' cannot be given here; use --spec FILE"
+        )
+    host = os.path.abspath(parts[0])
+    out: dict[str, Any] = {"hostPath": host, "readOnly": read_only}
+    if len(parts) == 2:
+        out["guestPath"] = parts[1]
+    return out
+
+
+def _env_pair(value: str) -> tuple[str, str]:
+    key, sep, val = value.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"--env {value!r}: expected NAME=VALUE")
+    return key, val
+
+
+def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        choices=[b.value for b in SandboxBackend],
+        help="backend to use; unspecified means native when the probe found one, else none",
+    )
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=None)
+    p.add_argument("--bind", type=_bind, action="append", default=[],
+                   metavar="HOST[:GUEST][:ro]", help="make a host path visible (repeatable)")
+    p.add_argument("--protect", action="append", default=[], metavar="PATH",
+                   help="a host path that must never be writable (repeatable)")
+    p.add_argument("--runner-state", action="append", default=[], metavar="DIR",
+                   help="a runner state directory, writable in every mode (repeatable)")
+    p.add_argument("--workdir", help="working directory inside the sandbox")
+    p.add_argument("--deny-create", action="append", default=[], metavar="GLOB",
+                   help="refuse creating files whose name matches GLOB (repeatable)")
+    p.add_argument("--no-network", action="store_true", help="networkEnabled: false")
+    p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
+                   help="set a variable for the command (repeatable)")
+    p.add_argument("--spec", metavar="FILE", help="a SandboxSpec JSON file; options add to it")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="cc-server", description=__doc__)
+    sub = parser.add_subparsers(dest="verb", required=True)
+    p_probe = sub.add_parser("probe", help="report which sandbox backend this host offers")
+    p_probe.add_argument("--json", action="store_true", help="machine-readable output")
+    p_plan = sub.add_parser("plan", help="print the launch plan `run` would execute")
+    _add_run_options(p_plan)
+    p_plan.add_argument("--json", action="store_true", help="machine-readable output")
+    p_run = sub.add_parser("run", help="run a command in a sandbox; exits with its code")
+    _add_run_options(p_run)
+    p_run.add_argument("--events", choices=["json"], help="stream events as JSON lines")
+    p_run.add_argument("--timeout", type=float, metavar="SECONDS", help="kill after SECONDS")
+    return parser
+
+
+def _spec(args: argparse.Namespace) -> SandboxSpec:
+    data: dict[str, Any] = {}
+    if args.spec:
+        try:
+            with open(args.spec, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (OSError, ValueError) as exc:
+            raise BadSpec(f"cannot read --spec {args.spec!r}: {exc}") from None
+        if not isinstance(data, dict):
+            raise BadSpec(f"--spec {args.spec!r} must hold a JSON object")
+    data.setdefault("sessionId", f"cli-{os.getpid()}-{os.urandom(4).hex()}")
+    data.setdefault("workspaceId", "cli")
+    data["bindMounts"] = [*data.get("bindMounts", []), *args.bind]
+    data["protectedPaths"] = [*data.get("protectedPaths", []),
+                              *(os.path.abspath(p) for p in args.protect)]
+    data["runnerStateDirs"] = [*data.get("runnerStateDirs", []),
+                               *(os.path.abspath(p) for p in args.runner_state)]
+    if args.mode:
+        data["mode"] = args.mode
+    if args.workdir:
+        data["guestWorkdir"] = os.path.abspath(args.workdir)
+    if args.no_network:
+        data["networkEnabled"] = False
+    return parse_spec(data)
+
+
+def _command(args: argparse.Namespace) -> list[str]:
+    argv = list(args.command)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise BadSpec("no command given", fix="put the command after '--'")
+    return argv
+
+
+def _env(args: argparse.Namespace) -> dict[str, str]:
+    env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
+    env.update({k: v for k, v in os.environ.items() if k.startswith("LC_")})
+    env.update(dict(args.env))
+    return env
+
+
+def _plan(args: argparse.Namespace, result: ProbeResult) -> LaunchPlan:
+    """Compile, choose and plan exactly as the library does, without an event loop."""
+    host = HostFacts.current()
+    requested = SandboxBackend(args.backend) if args.backend else None
+    backend = choose_backend(result, requested, sandbox_on=True)
+    policy = compile_policy(_spec(args), host, deny_create_globs=args.deny_create)
+    command = Command(argv=tuple(_command(args)), env=tuple(sorted(_env(args).items())))
+    return planner_for(backend, result, host)(policy, command)
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    result = probe()
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(f"platform:  {result.platform}")
+        print(f"available: {'yes' if result.available else 'no'}")
+        if result.mechanism:
+            print(f"mechanism: {result.mechanism}")
+        if result.note:
+            print(f"note:      {result.note}")
+        if result.hint:
+            print(f"hint:      {result.hint}")
+        for name, path in sorted(result.tools.items()):
+            print(f"tool:      {name} = {path}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    plan = _plan(args, probe())
+    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.render())
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if args.events is None and args.timeout is None:
+        return run_attached(_plan(args, probe()))
+    import asyncio  # noqa: PLC0415 (only the streaming path needs the event loop)
+
+    return asyncio.run(_run_streaming(args))
+
+
+async def _run_streaming(args: argparse.Namespace) -> int:
+    from cc_server.runtime.events import EventType  # noqa: PLC0415
+    from cc_server.runtime.port import SandboxManager  # noqa: PLC0415
+
+    manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
+    requested = SandboxBackend(args.backend) if args.backend else None
+    handle = manager.launch(_spec(args), backend=requested, deny_create_globs=args.deny_create)
+    stream = args.events == "json"
+    try:
+        execution = handle.exec(_command(args), env=_env(args), inherit_stdio=not stream,
+                                timeout_s=args.timeout)
+        async with execution:
+            async for event in execution:
+                if stream:
+                    sys.stdout.write(json.dumps(event.to_json()) + "\n")
+                    sys.stdout.flush()
+                elif event.type is EventType.KILLED:
+                    print(f"cc-server: command killed ({event.reason})", file=sys.stderr)
+        for violation in handle.violations:
+            print(f"cc-server: violation: {violation.action} {violation.target}",
+                  file=sys.stderr)
+        return await execution.wait()
+    finally:
+        await manager.aclose()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `cc-server` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.verb == "probe":
+            return _cmd_probe(args)
+        if args.verb == "plan":
+            return _cmd_plan(args)
+        return _cmd_run(args)
+    except CcServerError as exc:
+        print(f"cc-server: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, BadSpec) else EXIT_REFUSED
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return 141  # like a shell: our reader went away (e.g. `cc-server plan | head`)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
