@@ -176,14 +176,18 @@ def _step_deny_read(
     system = [Mount(host_path=p, literal_path=p, guest_path=p, writable=False, reason="system")
               for p in SYSTEM_RO_PATHS]
     for rule in policy.deny_read:
-        mount = _visible_mount([*policy.mounts, *system], rule.path)
-        if mount is None or not host.exists(rule.path):
+        if not host.exists(rule.path):
             continue
         target = host.realpath(rule.path)
-        if target in done or not _under(target, mount.host_path):
+        if target in done:
+            continue
+        mount = _visible_mount([*policy.mounts, *system], target)
+        # A bind at or below the secret (bindMounts: ~/.ssh/keys) exposes it even when nothing
+        # above it is visible; the mask on the secret itself hides those binds too.
+        if mount is None and not any(_under(m.host_path, target) for m in policy.mounts):
             continue
         done.add(target)
-        if mount.writable:
+        if mount is not None and mount.writable:
             args += _pin_ancestors(mount, target, pinned)
         if host.is_dir(target):
             args += ["--tmpfs", target, "--remount-ro", target]

@@ -1,0 +1,57 @@
+"""Fixtures for the escape tests: a fake $HOME with planted secrets, a worktree, a manager.
+
+Nothing here touches the real home directory: every secret lives under pytest's tmp_path, and the
+sandbox is told that tmp_path/home is $HOME. The probe must find bubblewrap; when it does not, the
+tests fail (they never skip), because a security suite that silently skips proves nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from collections.abc import AsyncIterator
+
+import pytest
+from escape_kit import Sandboxes, unique
+
+from cc_server.backends.probe import ProbeResult, probe
+from cc_server.policy import HostFacts, Platform, detect_platform
+from cc_server.runtime.port import SandboxManager
+
+
+@pytest.fixture(scope="session")
+def probe_result() -> ProbeResult:
+    result = probe()
+    assert result.available and result.mechanism == "bubblewrap", (
+        f"the security suite needs bubblewrap and socat; probe said: {result.hint}"
+    )
+    return result
+
+
+@pytest.fixture
+async def sb(tmp_path: pathlib.Path, probe_result: ProbeResult) -> AsyncIterator[Sandboxes]:
+    home = tmp_path / "home"
+    marker = unique("CC-SECRET-SSH-KEY")
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text(f"-----BEGIN KEY-----\n{marker}\n")
+    (home / ".aws").mkdir()
+    (home / ".aws" / "credentials").write_text(f"aws_secret_access_key = {marker}\n")
+    worktree = tmp_path / "wt"
+    worktree.mkdir()
+    (worktree / "README").write_text("worktree control file\n")
+    platform = detect_platform()
+    assert platform in (Platform.LINUX, Platform.WSL2)
+    host = HostFacts(
+        platform=platform,
+        home=str(home),
+        realpath=os.path.realpath,
+        exists=os.path.lexists,
+        is_dir=os.path.isdir,
+    )
+    manager = SandboxManager(probe_result=probe_result, host=host)
+    try:
+        yield Sandboxes(
+            root=tmp_path, home=home, worktree=worktree, secret_marker=marker, manager=manager
+        )
+    finally:
+        await manager.aclose()
