@@ -11,13 +11,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cc_server.errors import BadSpec
+from cc_server.policy.host import HostFacts
 from cc_server.policy.paths import (
     HOME_MANDATORY_DENY_WRITE,
     ROOT_MANDATORY_DENY_WRITE,
     SECRET_DENY_READ,
     SYSTEM_DENY_READ,
 )
-from cc_server.policy.host import HostFacts
 from cc_server.policy.spec import AgentCapabilities, Mode, SandboxSpec
 
 __all__ = [

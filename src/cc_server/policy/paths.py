@@ -1,7 +1,7 @@
 """The reviewed path sets, each entry with the reason it is there.
 
-Paths under `$HOME` are written relative to it. Keep each list sorted by purpose; a new entry needs a
-reason a reviewer can check.
+Paths under `$HOME` are written relative to it. Keep each list sorted by purpose; a new entry needs
+a reason a reviewer can check.
 """
 
 from __future__ import annotations

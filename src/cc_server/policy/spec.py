@@ -2,40 +2,50 @@
 
 JSON uses camelCase (`sessionId`, `bindMounts`, ...); Python attributes are snake_case. Unknown
 fields are rejected. Models are frozen: a spec is a value, never edited in place.
+
+Built on msgspec: typed, frozen structs with camelCase renaming, unknown-field rejection and JSON
+Schema generation, at a fraction of the import cost of the alternatives (the CLI pays it per run).
 """
 
 from __future__ import annotations
 
 import enum
 import posixpath
+import re
 from typing import Annotated, Any, ClassVar
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
-from pydantic.alias_generators import to_camel
+import msgspec
 
 from cc_server.errors import BadSpec
 
 __all__ = [
-    "AbsolutePath",
     "AgentCapabilities",
     "Mode",
     "SandboxBackend",
     "SandboxBindMount",
     "SandboxSpec",
+    "check_absolute",
     "parse_spec",
+    "spec_json_schema",
 ]
 
+# JSON names the camelCase rule would spell differently from the reference page.
+_JSON_NAME_OVERRIDES = {"can_call_github_api": "canCallGitHubApi"}
 
-def _check_absolute(value: str) -> str:
-    """Accept only absolute, normalised POSIX paths with no control characters."""
+
+def _json_name(field: str) -> str:
+    if field in _JSON_NAME_OVERRIDES:
+        return _JSON_NAME_OVERRIDES[field]
+    head, *rest = field.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def check_absolute(value: str) -> str:
+    """Accept only absolute, normalised POSIX paths without NUL; return the path.
+
+    Raises:
+        ValueError: the path is relative, has '.', '..' or repeated '/' components, or a NUL.
+    """
     if not value.startswith("/"):
         raise ValueError(f"path must be absolute, got {value!r}")
     if "\x00" in value:
@@ -51,17 +61,21 @@ def _check_absolute(value: str) -> str:
     return normalised
 
 
-AbsolutePath = Annotated[str, AfterValidator(_check_absolute)]
+_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="An identifier")]
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        populate_by_name=True,
-        extra="forbid",
-        frozen=True,
-        use_enum_values=False,
-    )
+def _normalise(model: msgspec.Struct, name: str, value: object) -> None:
+    """Store the normalised form of a validated field ('/a/' becomes '/a'), in __post_init__."""
+    msgspec.structs.force_setattr(model, name, value)
+
+
+class _Model(
+    msgspec.Struct, rename=_json_name, forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    def to_json(self) -> dict[str, Any]:
+        """The JSON-ready form, with the reference page's names."""
+        out: dict[str, Any] = msgspec.to_builtins(self)
+        return out
 
 
 class Mode(enum.StrEnum):
@@ -98,20 +112,13 @@ class SandboxBackend(enum.StrEnum):
             return cls.NONE
 
 
-class AgentCapabilities(_Model):
+class AgentCapabilities(_Model, frozen=True):  # frozen restated for type checkers
     """What the agent may do; derives the network decision and the GitHub egress domains."""
 
-    can_use_network: bool = Field(True, description="Outbound network through the proxies")
-    can_call_github_api: bool = Field(
-        False,
-        # The reference page spells it canCallGitHubApi; to_camel would give canCallGithubApi.
-        # Not `alias=`, so type checkers keep the Python name as the keyword.
-        validation_alias="canCallGitHubApi",
-        serialization_alias="canCallGitHubApi",
-        description="GitHub API domains join the allowlist",
-    )
-    can_push: bool = Field(False, description="git push; earns the GitHub domains too")
-    can_call_ticketing: bool = Field(False, description="Ticketing-provider API access")
+    can_use_network: bool = True  # outbound network through the proxies
+    can_call_github_api: bool = False  # GitHub API domains join the allowlist
+    can_push: bool = False  # git push; earns the GitHub domains too
+    can_call_ticketing: bool = False  # ticketing-provider API access
 
     SAFE_DEFAULT: ClassVar[AgentCapabilities]
 
@@ -129,24 +136,22 @@ class AgentCapabilities(_Model):
 AgentCapabilities.SAFE_DEFAULT = AgentCapabilities()
 
 
-class SandboxBindMount(_Model):
+class SandboxBindMount(_Model, frozen=True):  # frozen restated for type checkers
     """One host directory or file made visible inside the sandbox."""
 
-    host_path: AbsolutePath = Field(description="Absolute path on the host")
-    guest_path: AbsolutePath | None = Field(
-        None, description="Path inside the sandbox; defaults to hostPath (native requires equal)"
-    )
-    read_only: bool = Field(False, description="Mount read-only when true")
+    host_path: str  # absolute path on the host
+    guest_path: str | None = None  # path inside the sandbox; defaults to hostPath
+    read_only: bool = False  # mount read-only when true
 
-    @field_validator("host_path")
-    @classmethod
-    def _not_root(cls, value: str) -> str:
-        if value == "/":
+    def __post_init__(self) -> None:
+        _normalise(self, "host_path", check_absolute(self.host_path))
+        if self.guest_path is not None:
+            _normalise(self, "guest_path", check_absolute(self.guest_path))
+        if self.host_path == "/":
             raise ValueError(
                 "binding the host root '/' exposes the whole host; bind the directories the "
                 "command needs instead"
             )
-        return value
 
     @property
     def guest(self) -> str:
@@ -154,47 +159,37 @@ class SandboxBindMount(_Model):
         return self.guest_path if self.guest_path is not None else self.host_path
 
 
-class SandboxSpec(_Model):
+class SandboxSpec(_Model, frozen=True):  # frozen restated for type checkers
     """What SandboxPort.launch is asked to run under."""
 
-    session_id: str = Field(min_length=1, max_length=256, description="Stable session id")
-    workspace_id: str = Field(min_length=1, max_length=256, description="Owning workspace id")
-    agent_id: str | None = Field(None, description="Agent bound to the sandbox, if any")
-    bind_mounts: tuple[SandboxBindMount, ...] = Field(
-        (), description="Host->guest mounts; the sandbox sees only these host paths"
-    )
-    network_enabled: bool = Field(True, description="Combined with the network capability")
-    egress_allowlist: tuple[str, ...] = Field((), description="Extra allowed egress domains")
-    guest_workdir: AbsolutePath | None = Field(None, description="Default working directory")
-    mode: Mode = Field(Mode.CHAT, description="Carves the filesystem write rules")
-    capabilities: AgentCapabilities = Field(
-        default_factory=AgentCapabilities.safe_default, description="What the agent may do"
-    )
-    protected_paths: tuple[AbsolutePath, ...] = Field(
-        (), description="Host paths never writable inside the sandbox, in any mode"
-    )
-    runner_state_dirs: tuple[AbsolutePath, ...] = Field(
-        (), description="Runner state directories, writable in every mode"
-    )
-    exec_grant_roots: tuple[AbsolutePath, ...] = Field(
-        (), description="Trees that re-open the writable-dir exec block (macOS only)"
-    )
+    session_id: _Id  # stable session identifier (typically the space id)
+    workspace_id: _Id  # owning workspace id
+    agent_id: str | None = None  # agent bound to the sandbox, if any
+    bind_mounts: tuple[SandboxBindMount, ...] = ()  # the sandbox sees only these host paths
+    network_enabled: bool = True  # combined with the agent's network capability
+    egress_allowlist: tuple[str, ...] = ()  # extra allowed egress domains
+    guest_workdir: str | None = None  # default working directory inside the sandbox
+    mode: Mode = Mode.CHAT  # carves the filesystem write rules
+    capabilities: AgentCapabilities = msgspec.field(
+        default_factory=AgentCapabilities.safe_default
+    )  # derives the network decision and GitHub egress
+    protected_paths: tuple[str, ...] = ()  # host paths never writable, in any mode
+    runner_state_dirs: tuple[str, ...] = ()  # runner state directories, writable in every mode
+    exec_grant_roots: tuple[str, ...] = ()  # trees re-opening the writable-dir exec block (macOS)
 
-    @field_validator("session_id", "workspace_id")
-    @classmethod
-    def _printable_id(cls, value: str) -> str:
-        if not value.isprintable() or "/" in value:
-            raise ValueError("ids must be printable and must not contain '/'")
-        return value
-
-    @model_validator(mode="after")
-    def _unique_guest_paths(self) -> SandboxSpec:
+    def __post_init__(self) -> None:
+        for value in (self.session_id, self.workspace_id):
+            if not value.isprintable() or "/" in value:
+                raise ValueError("ids must be printable and must not contain '/'")
+        for name in ("protected_paths", "runner_state_dirs", "exec_grant_roots"):
+            _normalise(self, name, tuple(check_absolute(path) for path in getattr(self, name)))
+        if self.guest_workdir is not None:
+            _normalise(self, "guest_workdir", check_absolute(self.guest_workdir))
         seen: set[str] = set()
         for mount in self.bind_mounts:
             if mount.guest in seen:
                 raise ValueError(f"two bind mounts share the guest path {mount.guest!r}")
             seen.add(mount.guest)
-        return self
 
     @property
     def network_allowed(self) -> bool:
@@ -202,26 +197,40 @@ class SandboxSpec(_Model):
         return self.network_enabled and self.capabilities.can_use_network
 
 
+_AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<loc>[^`]*)`)?$", re.DOTALL)
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
+
+
+def _describe(error: msgspec.ValidationError) -> str:
+    match = _AT.match(str(error))
+    assert match is not None  # the pattern accepts every string
+    message, where = match["msg"], (match["loc"] or "").lstrip(".")
+    unknown = _UNKNOWN.match(message)
+    if unknown:
+        where = f"{where}.{unknown['name']}" if where else unknown["name"]
+        message = "unknown field (check the spelling; fields are camelCase)"
+    return f"{where or '<spec>'}: {message}"
+
+
 def parse_spec(data: Any) -> SandboxSpec:
-    """Validate JSON-shaped data (a dict, or a JSON string) into a SandboxSpec.
+    """Validate JSON-shaped data (a dict, or a JSON string or bytes) into a SandboxSpec.
 
     Raises:
         BadSpec: the data is malformed, has an unknown field, or a path is not absolute. The
-            message names every offending field by its JSON path.
+            message names the offending field by its JSON path.
     """
     try:
         if isinstance(data, str | bytes):
-            return SandboxSpec.model_validate_json(data)
-        return SandboxSpec.model_validate(data)
-    except ValidationError as exc:
-        problems = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"]) or "<spec>"
-            message = err["msg"]
-            if err["type"] == "extra_forbidden":
-                message = "unknown field (check the spelling; fields are camelCase)"
-            problems.append(f"{where}: {message}")
+            return msgspec.json.decode(data, type=SandboxSpec)
+        return msgspec.convert(data, SandboxSpec)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        detail = _describe(exc) if isinstance(exc, msgspec.ValidationError) else str(exc)
         raise BadSpec(
-            "invalid SandboxSpec: " + "; ".join(problems),
-            fix="correct the fields named above",
+            f"invalid SandboxSpec: {detail}", fix="correct the field named above"
         ) from None
+
+
+def spec_json_schema() -> dict[str, Any]:
+    """The JSON Schema of SandboxSpec (for the API's OpenAPI document)."""
+    schema: dict[str, Any] = msgspec.json.schema(SandboxSpec)
+    return schema

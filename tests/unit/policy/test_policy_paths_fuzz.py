@@ -6,7 +6,6 @@ import posixpath
 
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
 
 from cc_server.errors import BadSpec
 from cc_server.policy import SandboxBindMount, parse_spec
@@ -47,7 +46,7 @@ def assert_safe(path: str) -> None:
 def test_bind_mount_paths_are_rejected_or_safe(path: str) -> None:
     try:
         mount = SandboxBindMount(host_path=path, guest_path=path)
-    except ValidationError:
+    except ValueError:
         return
     assert_safe(mount.host_path)
     assert_safe(mount.guest)
