@@ -13,7 +13,14 @@ from cc_server.backends.plan import Command, LaunchPlan
 from cc_server.backends.probe import ProbeResult, probe
 from cc_server.backends.runner import run_attached
 from cc_server.errors import BadSpec, CcServerError
-from cc_server.policy import HostFacts, Mode, SandboxBackend, SandboxSpec, compile_policy, parse_spec
+from cc_server.policy import (
+    HostFacts,
+    Mode,
+    SandboxBackend,
+    SandboxSpec,
+    compile_policy,
+    parse_spec,
+)
 from cc_server.runtime.select import choose_backend, planner_for
 
 __all__ = ["main"]
@@ -164,14 +171,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_run(args: argparse.Namespace) -> int:
     if args.events is None and args.timeout is None:
         return run_attached(_plan(args, probe()))
-    import asyncio  # noqa: PLC0415 (only the streaming path needs the event loop)
+    import asyncio  # lazy import (only the streaming path needs the event loop)
 
     return asyncio.run(_run_streaming(args))
 
 
 async def _run_streaming(args: argparse.Namespace) -> int:
-    from cc_server.runtime.events import EventType  # noqa: PLC0415
-    from cc_server.runtime.port import SandboxManager  # noqa: PLC0415
+    # Lazy imports: only the streaming path pays for the runtime and its event loop.
+    from cc_server.runtime.events import EventType
+    from cc_server.runtime.port import SandboxManager
 
     manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
     requested = SandboxBackend(args.backend) if args.backend else None

@@ -80,7 +80,7 @@ async def start(
         EnforcementFailed: the program could not be started (missing binary, bad cwd, fd setup);
             the command has not run.
     """
-    import asyncio  # noqa: PLC0415 (see the module docstring)
+    import asyncio  # lazy import (see the module docstring)
 
     with _materialised(plan) as (argv, fds):
         return await asyncio.create_subprocess_exec(
@@ -107,7 +107,7 @@ def run_attached(plan: LaunchPlan) -> int:
         EnforcementFailed: the program could not be started; the command has not run.
     """
     with _materialised(plan) as (argv, fds):
-        proc = subprocess.Popen(  # noqa: S603 (argv comes from a backend plan, never a shell)
+        proc = subprocess.Popen(  # argv comes from a backend plan, never a shell
             argv, env=dict(plan.env), cwd=plan.cwd, pass_fds=fds, start_new_session=True
         )
 

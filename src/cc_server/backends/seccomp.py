@@ -85,7 +85,7 @@ def filter_bpf() -> bytes:
         OSError: libseccomp is missing or refused the rules (callers turn this into
             EnforcementFailed: the command does not run without its filter).
     """
-    import pyseccomp as sc  # noqa: PLC0415 (loads libseccomp via ctypes; only when planning)
+    import pyseccomp as sc  # lazy import (loads libseccomp via ctypes; only when planning)
 
     flt = sc.SyscallFilter(sc.ALLOW)
     eperm = sc.ERRNO(errno.EPERM)
