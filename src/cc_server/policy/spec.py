@@ -61,12 +61,23 @@ def check_absolute(value: str) -> str:
     return normalised
 
 
-_Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256, description="An identifier")]
+MAX_ID_LENGTH = 256  # ids travel in URLs, logs and file names
+_Id = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_ID_LENGTH, description="An identifier")
+]
 
 
 def _normalise(model: msgspec.Struct, name: str, value: object) -> None:
     """Store the normalised form of a validated field ('/a/' becomes '/a'), in __post_init__."""
     msgspec.structs.force_setattr(model, name, value)
+
+
+def _checked(json_name: str, path: str) -> str:
+    """check_absolute, with the field's JSON name leading the error message."""
+    try:
+        return check_absolute(path)
+    except ValueError as exc:
+        raise ValueError(f"{json_name}: {exc}") from None
 
 
 class _Model(
@@ -144,13 +155,13 @@ class SandboxBindMount(_Model, frozen=True):  # frozen restated for type checker
     read_only: bool = False  # mount read-only when true
 
     def __post_init__(self) -> None:
-        _normalise(self, "host_path", check_absolute(self.host_path))
+        _normalise(self, "host_path", _checked("hostPath", self.host_path))
         if self.guest_path is not None:
-            _normalise(self, "guest_path", check_absolute(self.guest_path))
+            _normalise(self, "guest_path", _checked("guestPath", self.guest_path))
         if self.host_path == "/":
             raise ValueError(
-                "binding the host root '/' exposes the whole host; bind the directories the "
-                "command needs instead"
+                "hostPath: binding the host root '/' exposes the whole host; bind the "
+                "directories the command needs instead"
             )
 
     @property
@@ -178,17 +189,29 @@ class SandboxSpec(_Model, frozen=True):  # frozen restated for type checkers
     exec_grant_roots: tuple[str, ...] = ()  # trees re-opening the writable-dir exec block (macOS)
 
     def __post_init__(self) -> None:
-        for value in (self.session_id, self.workspace_id):
+        for name, value in (("sessionId", self.session_id), ("workspaceId", self.workspace_id)):
+            if not 1 <= len(value) <= MAX_ID_LENGTH:
+                raise ValueError(f"{name}: must be 1 to {MAX_ID_LENGTH} characters")
             if not value.isprintable() or "/" in value:
-                raise ValueError("ids must be printable and must not contain '/'")
+                raise ValueError(f"{name}: ids must be printable and must not contain '/'")
         for name in ("protected_paths", "runner_state_dirs", "exec_grant_roots"):
-            _normalise(self, name, tuple(check_absolute(path) for path in getattr(self, name)))
+            json_name = _json_name(name)
+            _normalise(
+                self,
+                name,
+                tuple(
+                    _checked(f"{json_name}[{i}]", path)
+                    for i, path in enumerate(getattr(self, name))
+                ),
+            )
         if self.guest_workdir is not None:
-            _normalise(self, "guest_workdir", check_absolute(self.guest_workdir))
+            _normalise(self, "guest_workdir", _checked("guestWorkdir", self.guest_workdir))
         seen: set[str] = set()
-        for mount in self.bind_mounts:
+        for i, mount in enumerate(self.bind_mounts):
             if mount.guest in seen:
-                raise ValueError(f"two bind mounts share the guest path {mount.guest!r}")
+                raise ValueError(
+                    f"bindMounts[{i}]: two bind mounts share the guest path {mount.guest!r}"
+                )
             seen.add(mount.guest)
 
     @property
@@ -199,6 +222,7 @@ class SandboxSpec(_Model, frozen=True):  # frozen restated for type checkers
 
 _AT = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<loc>[^`]*)`)?$", re.DOTALL)
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
+_FIELD_FIRST = re.compile(r"^(?P<field>[A-Za-z]+(?:\[\d+\])?): (?P<rest>.*)$", re.DOTALL)
 
 
 def _describe(error: msgspec.ValidationError) -> str:
@@ -206,9 +230,13 @@ def _describe(error: msgspec.ValidationError) -> str:
     assert match is not None  # the pattern accepts every string
     message, where = match["msg"], (match["loc"] or "").lstrip(".")
     unknown = _UNKNOWN.match(message)
+    field_first = _FIELD_FIRST.match(message)
     if unknown:
         where = f"{where}.{unknown['name']}" if where else unknown["name"]
         message = "unknown field (check the spelling; fields are camelCase)"
+    elif field_first:  # raised in __post_init__: the struct's location plus the field's name
+        where = f"{where}.{field_first['field']}" if where else field_first["field"]
+        message = field_first["rest"]
     return f"{where or '<spec>'}: {message}"
 
 

@@ -276,7 +276,7 @@ def test_parse_spec_from_json_string_bytes_and_dict() -> None:
 
 def test_parse_spec_from_bytes_reports_field_problems_like_a_dict() -> None:
     data = spec_with(bindMounts=[{"hostPath": "rel"}])
-    expected = "invalid SandboxSpec: bindMounts[0]: path must be absolute, got 'rel'"
+    expected = "invalid SandboxSpec: bindMounts[0].hostPath: path must be absolute, got 'rel'"
     assert expected in bad_spec_message(json.dumps(data).encode())
     assert expected in bad_spec_message(json.dumps(data))
     assert expected in bad_spec_message(data)
@@ -374,21 +374,20 @@ BAD_PATHS = [
 ]
 
 # (JSON field, JSON value for a path, where the message locates it, snake_case keyword,
-# keyword value for a path). msgspec locates a __post_init__ error at the struct that raised it,
-# not at the field: a bind mount's paths at bindMounts[0], the spec's own paths at <spec>.
+# keyword value for a path). Every message names the field by its JSON path.
 PATH_FIELDS = [
-    ("bindMounts", lambda p: [{"hostPath": p}], "bindMounts[0]", "host_path", None),
+    ("bindMounts", lambda p: [{"hostPath": p}], "bindMounts[0].hostPath", "host_path", None),
     (
         "bindMounts",
         lambda p: [{"hostPath": "/h", "guestPath": p}],
-        "bindMounts[0]",
+        "bindMounts[0].guestPath",
         "guest_path",
         None,
     ),
-    ("guestWorkdir", lambda p: p, "<spec>", "guest_workdir", lambda p: p),
-    ("protectedPaths", lambda p: [p], "<spec>", "protected_paths", lambda p: (p,)),
-    ("runnerStateDirs", lambda p: [p], "<spec>", "runner_state_dirs", lambda p: (p,)),
-    ("execGrantRoots", lambda p: [p], "<spec>", "exec_grant_roots", lambda p: (p,)),
+    ("guestWorkdir", lambda p: p, "guestWorkdir", "guest_workdir", lambda p: p),
+    ("protectedPaths", lambda p: [p], "protectedPaths[0]", "protected_paths", lambda p: (p,)),
+    ("runnerStateDirs", lambda p: [p], "runnerStateDirs[0]", "runner_state_dirs", lambda p: (p,)),
+    ("execGrantRoots", lambda p: [p], "execGrantRoots[0]", "exec_grant_roots", lambda p: (p,)),
 ]
 
 
@@ -416,10 +415,13 @@ def test_bad_paths_are_rejected_in_every_path_field(
 def test_a_bad_path_message_quotes_the_path() -> None:
     message = bad_spec_message(spec_with(bindMounts=[{"hostPath": "rel"}]))
     assert message.startswith(
-        "invalid SandboxSpec: bindMounts[0]: path must be absolute, got 'rel'"
+        "invalid SandboxSpec: bindMounts[0].hostPath: path must be absolute, got 'rel'"
     )
     message = bad_spec_message(spec_with(bindMounts=[{"hostPath": "/a"}, {"hostPath": "/b/../c"}]))
-    assert "bindMounts[1]: path must not contain '.' or '..' components, got '/b/../c'" in message
+    assert (
+        "bindMounts[1].hostPath: path must not contain '.' or '..' components, got '/b/../c'"
+        in message
+    )
 
 
 @pytest.mark.parametrize(("path", "why"), BAD_PATHS)
@@ -469,7 +471,7 @@ def test_root_is_a_valid_path_outside_host_binds() -> None:
 
 def test_binding_the_host_root_is_rejected() -> None:
     message = bad_spec_message(spec_with(bindMounts=[{"hostPath": "/"}]))
-    assert "bindMounts[0]: binding the host root '/' exposes the whole host" in message
+    assert "bindMounts[0].hostPath: binding the host root '/' exposes the whole host" in message
 
 
 def test_binding_the_host_root_is_rejected_by_name_too() -> None:
@@ -498,7 +500,7 @@ def test_binding_the_host_root_is_rejected_by_name_too() -> None:
 )
 def test_duplicate_guest_paths_are_rejected(mounts: list[dict[str, Any]], guest: str) -> None:
     message = bad_spec_message(spec_with(bindMounts=mounts))
-    assert f"<spec>: two bind mounts share the guest path {guest!r}" in message
+    assert f"bindMounts[1]: two bind mounts share the guest path {guest!r}" in message
     with pytest.raises(ValueError, match="two bind mounts share"):
         SandboxSpec(
             session_id="s",
@@ -528,9 +530,8 @@ BAD_CONTENT_IDS = [
 @pytest.mark.parametrize("field", ["sessionId", "workspaceId"])
 @pytest.mark.parametrize(("value", "why"), BAD_CONTENT_IDS)
 def test_bad_ids_are_rejected(field: str, value: str, why: str) -> None:
-    # The content check runs in __post_init__, so msgspec locates it at the spec.
     message = bad_spec_message(spec_with(**{field: value}))
-    assert message.startswith("invalid SandboxSpec: <spec>: ids must be printable")
+    assert message.startswith(f"invalid SandboxSpec: {field}: ids must be printable")
     assert why in message
 
 
@@ -658,3 +659,11 @@ def test_spec_json_schema_is_json() -> None:
     decoded = json.loads(json.dumps(schema))
     assert decoded["$defs"]["SandboxSpec"]["properties"]["bindMounts"]["default"] == []
     assert spec_json_schema() is not schema  # a fresh copy each call, safe to edit
+
+
+@pytest.mark.parametrize("keyword", ["session_id", "workspace_id"])
+@pytest.mark.parametrize("value", ["", "x" * 257], ids=["empty", "too-long"])
+def test_id_lengths_are_checked_by_name_too(keyword: str, value: str) -> None:
+    ids: dict[str, Any] = {"session_id": "s", "workspace_id": "w", keyword: value}
+    with pytest.raises(ValueError, match="must be 1 to 256 characters"):
+        SandboxSpec(**ids)
