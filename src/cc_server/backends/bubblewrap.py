@@ -123,15 +123,18 @@ def _step_binds(host: HostFacts, mounts: Sequence[Mount]) -> list[str | FdArg]:
     return args
 
 
-def _pin_ancestors(root: Mount, path: str, pinned: set[str]) -> list[str | FdArg]:
+def _pin_ancestors(
+    root: Mount, path: str, pinned: set[str], read_only: set[str]
+) -> list[str | FdArg]:
     """Self-bind each directory between a writable root and a rule's path.
 
     A mount point cannot be renamed or removed (EBUSY), so `mv parent elsewhere; mkdir parent`
     cannot move a denied path out from under its rule while the parent stays writable.
+    Directories already made read-only need no pin, and a writable self-bind would undo that.
     """
     args: list[str | FdArg] = []
     for ancestor in _ancestors_between(root.host_path, path):
-        if ancestor not in pinned:
+        if ancestor not in pinned and not any(_under(ancestor, r) for r in read_only):
             pinned.add(ancestor)
             args += ["--bind", ancestor, ancestor]
     return args
@@ -148,26 +151,35 @@ def _visible_mount(mounts: Sequence[Mount], path: str) -> Mount | None:
 
 
 def _step_deny_write(
-    host: HostFacts, policy: CompiledPolicy, pinned: set[str]
+    host: HostFacts, policy: CompiledPolicy, pinned: set[str], read_only: set[str]
 ) -> list[str | FdArg]:
     # 5. Protected paths and mandatory denies read-only, even inside a writable bind.
     args: list[str | FdArg] = []
     done: set[str] = set()
     for rule in policy.deny_write:
-        mount = _visible_mount(policy.mounts, rule.path)
-        if mount is None or not mount.writable or not host.exists(rule.path):
+        if not host.exists(rule.path):
             continue
         target = host.realpath(rule.path)
-        if target in done or not _under(target, mount.host_path):
+        if target in done:
             continue
         done.add(target)
-        args += _pin_ancestors(mount, target, pinned)
-        args += ["--ro-bind", target, target]
+        mount = _visible_mount(policy.mounts, target)
+        if mount is not None and mount.writable:
+            args += _pin_ancestors(mount, target, pinned, read_only)
+            args += ["--ro-bind", target, target]  # also covers every bind below it
+            read_only.add(target)
+            continue
+        # Not writable from above, but a writable bind below it (protectedPaths: [/repo] with
+        # /repo/src bound) would be: re-bind each such bind read-only.
+        for inner in policy.mounts:
+            if inner.writable and _under(inner.host_path, target):
+                args += ["--ro-bind", inner.host_path, inner.host_path]
+                read_only.add(inner.host_path)
     return args
 
 
 def _step_deny_read(
-    host: HostFacts, policy: CompiledPolicy, pinned: set[str]
+    host: HostFacts, policy: CompiledPolicy, pinned: set[str], read_only: set[str]
 ) -> list[str | FdArg]:
     # 6. Secrets masked wherever a bind or a system path would expose them. Directories get an
     #    empty read-only tmpfs, files an empty read-only file. Masks come last so they win.
@@ -188,7 +200,7 @@ def _step_deny_read(
             continue
         done.add(target)
         if mount is not None and mount.writable:
-            args += _pin_ancestors(mount, target, pinned)
+            args += _pin_ancestors(mount, target, pinned, read_only)
         if host.is_dir(target):
             args += ["--tmpfs", target, "--remount-ro", target]
         else:
@@ -231,14 +243,15 @@ def plan_bubblewrap(
         ) from exc
 
     pinned: set[str] = {m.host_path for m in policy.mounts}
+    read_only: set[str] = set()  # made read-only by step 5; pins must not re-open them
     cwd = command.cwd or _default_cwd(policy, host)
     argv: list[str | FdArg] = [bwrap]
     argv += _step_namespaces()
     argv += _step_system(host)
     argv += _step_home(host, policy.mounts)
     argv += _step_binds(host, policy.mounts)
-    argv += _step_deny_write(host, policy, pinned)
-    argv += _step_deny_read(host, policy, pinned)
+    argv += _step_deny_write(host, policy, pinned, read_only)
+    argv += _step_deny_read(host, policy, pinned, read_only)
     # 7. Everything not explicitly writable above is read-only, including the sandbox's root.
     argv += ["--remount-ro", "/"]
     # 8. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
