@@ -119,3 +119,21 @@ def outcomes(result: CollectedResult) -> dict[str, str]:
 def output(result: CollectedResult) -> str:
     """stdout and stderr together, for 'the secret appears nowhere' checks and failure messages."""
     return (result.stdout + result.stderr).decode(errors="replace")
+
+
+def shell_word(marker: str) -> str:
+    """`marker` as a shell word whose source text does not contain it ('abc''def').
+
+    A script that greps /proc/*/cmdline for a marker would otherwise find its own argv.
+    """
+    half = len(marker) // 2
+    return f"'{marker[:half]}''{marker[half:]}'"
+
+
+def grep_pattern(marker: str) -> str:
+    """A grep regex matching `marker` whose own text does not ('ab[c]d', the `ps | grep` trick).
+
+    Otherwise `grep MARKER /proc/*/cmdline` finds the grep process itself.
+    """
+    half = len(marker) // 2
+    return f"{marker[:half]}[{marker[half]}]{marker[half + 1 :]}"
