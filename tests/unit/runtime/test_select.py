@@ -1,0 +1,142 @@
+"""choose_backend and planner_for, every row of the reference page's table. Nothing is probed:
+ProbeResults are built by hand."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from cc_server.backends.bubblewrap import plan_bubblewrap
+from cc_server.backends.none import plan_none
+from cc_server.backends.probe import ProbeResult
+from cc_server.errors import BackendUnavailable
+from cc_server.policy import HostFacts, Platform, SandboxBackend
+from cc_server.runtime.select import choose_backend, planner_for
+
+BWRAP = "/usr/bin/bwrap"
+HINT = "install bubblewrap and socat (apt-get install bubblewrap socat)"
+
+LINUX_OK = ProbeResult(
+    platform=Platform.LINUX,
+    available=True,
+    mechanism="bubblewrap",
+    tools={"bwrap": BWRAP, "socat": "/usr/bin/socat"},
+)
+WSL2_OK = ProbeResult(
+    platform=Platform.WSL2, available=True, mechanism="bubblewrap", tools={"bwrap": BWRAP}
+)
+MACOS_OK = ProbeResult(
+    platform=Platform.MACOS,
+    available=True,
+    mechanism="seatbelt",
+    tools={"sandbox-exec": "/usr/bin/sandbox-exec"},
+)
+LINUX_MISSING = ProbeResult(platform=Platform.LINUX, available=False, hint=HINT)
+NO_HINT = ProbeResult(platform=Platform.OTHER, available=False)
+ALL_PROBES = [LINUX_OK, WSL2_OK, MACOS_OK, LINUX_MISSING, NO_HINT]
+
+
+def _host(platform: Platform) -> HostFacts:
+    def realpath(path: str) -> str:
+        raise AssertionError("planner_for must not consult the filesystem")
+
+    return HostFacts(
+        platform=platform, home="/home/dev", realpath=realpath, exists=realpath, is_dir=realpath
+    )
+
+
+# --- choose_backend ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("probe", [LINUX_OK, WSL2_OK, MACOS_OK])
+def test_unspecified_available_sandbox_on_is_native(probe: ProbeResult) -> None:
+    assert choose_backend(probe, None, sandbox_on=True) is SandboxBackend.NATIVE
+
+
+@pytest.mark.parametrize("probe", ALL_PROBES)
+def test_unspecified_sandbox_off_is_none(probe: ProbeResult) -> None:
+    assert choose_backend(probe, None, sandbox_on=False) is SandboxBackend.NONE
+
+
+@pytest.mark.parametrize("probe", [LINUX_MISSING, NO_HINT])
+def test_unspecified_unavailable_is_none(probe: ProbeResult) -> None:
+    assert choose_backend(probe, None, sandbox_on=True) is SandboxBackend.NONE
+
+
+@pytest.mark.parametrize("sandbox_on", [True, False])
+def test_explicit_native_available_is_native(sandbox_on: bool) -> None:
+    assert choose_backend(LINUX_OK, SandboxBackend.NATIVE, sandbox_on=sandbox_on) is (
+        SandboxBackend.NATIVE
+    )
+
+
+@pytest.mark.parametrize("sandbox_on", [True, False])
+def test_explicit_native_unavailable_fails_never_none(sandbox_on: bool) -> None:
+    with pytest.raises(BackendUnavailable, match="'native' was requested") as info:
+        choose_backend(LINUX_MISSING, SandboxBackend.NATIVE, sandbox_on=sandbox_on)
+    assert info.value.fix == HINT
+
+
+def test_explicit_native_unavailable_without_hint_has_a_fix() -> None:
+    with pytest.raises(BackendUnavailable) as info:
+        choose_backend(NO_HINT, SandboxBackend.NATIVE, sandbox_on=True)
+    assert info.value.fix == "install the native sandbox tools"
+
+
+@pytest.mark.parametrize("probe", ALL_PROBES)
+@pytest.mark.parametrize("sandbox_on", [True, False])
+def test_explicit_microvm_fails(probe: ProbeResult, sandbox_on: bool) -> None:
+    with pytest.raises(BackendUnavailable, match="'microvm' was requested"):
+        choose_backend(probe, SandboxBackend.MICROVM, sandbox_on=sandbox_on)
+
+
+@pytest.mark.parametrize("probe", ALL_PROBES)
+@pytest.mark.parametrize("sandbox_on", [True, False])
+def test_explicit_none_is_none(probe: ProbeResult, sandbox_on: bool) -> None:
+    assert choose_backend(probe, SandboxBackend.NONE, sandbox_on=sandbox_on) is (
+        SandboxBackend.NONE
+    )
+
+
+# --- planner_for -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("probe", ALL_PROBES)
+def test_planner_for_none_is_plan_none(probe: ProbeResult) -> None:
+    assert planner_for(SandboxBackend.NONE, probe, _host(probe.platform)) is plan_none
+
+
+@pytest.mark.parametrize("probe", [LINUX_OK, WSL2_OK])
+def test_planner_for_native_bubblewrap_is_a_bound_plan_bubblewrap(probe: ProbeResult) -> None:
+    host = _host(probe.platform)
+    planner = planner_for(SandboxBackend.NATIVE, probe, host)
+    assert isinstance(planner, functools.partial)
+    assert planner.func is plan_bubblewrap
+    assert planner.args == ()
+    assert planner.keywords == {"host": host, "bwrap": BWRAP}
+    assert planner.keywords["host"] is host
+
+
+def test_planner_for_native_seatbelt_on_macos_unavailable() -> None:
+    with pytest.raises(BackendUnavailable, match="seatbelt adapter is not available"):
+        planner_for(SandboxBackend.NATIVE, MACOS_OK, _host(Platform.MACOS))
+
+
+@pytest.mark.parametrize("platform", [Platform.MACOS, Platform.WINDOWS, Platform.OTHER])
+def test_planner_for_bubblewrap_on_a_non_linux_host_unavailable(platform: Platform) -> None:
+    with pytest.raises(BackendUnavailable, match="bubblewrap adapter is not available"):
+        planner_for(SandboxBackend.NATIVE, LINUX_OK, _host(platform))
+
+
+def test_planner_for_native_with_unavailable_probe_fails() -> None:
+    with pytest.raises(BackendUnavailable, match="backend native cannot run") as info:
+        planner_for(SandboxBackend.NATIVE, LINUX_MISSING, _host(Platform.LINUX))
+    assert info.value.fix == HINT
+
+
+@pytest.mark.parametrize("probe", ALL_PROBES)
+def test_planner_for_microvm_fails(probe: ProbeResult) -> None:
+    with pytest.raises(BackendUnavailable, match="backend microvm cannot run") as info:
+        planner_for(SandboxBackend.MICROVM, probe, _host(probe.platform))
+    assert info.value.fix == (probe.hint or "request 'native' or leave the backend unspecified")
