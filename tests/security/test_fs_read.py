@@ -160,3 +160,37 @@ async def test_etc_shadow_is_not_readable(sb: Sandboxes) -> None:
     assert not copy.exists() or copy.read_text() == ""
     with open("/etc/shadow") as f:
         assert f.read() == host_shadow
+
+
+async def test_host_devices_and_sysfs_are_not_exposed(sb: Sandboxes) -> None:
+    result = await sb.run(
+        f"""
+        cat {sb.worktree}/README
+        echo "dev=$(ls /dev | tr '\\n' ' ')"
+        echo "sys=$(ls -A /sys 2>/dev/null | wc -l)"
+        head -c 1 /dev/mem; head -c 1 /dev/kmsg; head -c 1 /dev/vda; head -c 1 /dev/sda
+        echo "urandom=$(head -c 4 /dev/urandom | wc -c)"
+        """
+    )
+    text = output(result)
+    assert CONTROL in text and "urandom=4" in text, text  # control: the safe devices work
+    devices = set(text.split("dev=")[1].split("\n")[0].split())
+    assert devices <= {
+        "console",
+        "core",
+        "fd",
+        "full",
+        "mqueue",
+        "null",
+        "ptmx",
+        "pts",
+        "random",
+        "shm",
+        "stderr",
+        "stdin",
+        "stdout",
+        "tty",
+        "urandom",
+        "zero",
+    }, devices
+    assert "sys=0" in text, text

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -163,6 +164,29 @@ EOF"""
     assert ppid is not None and int(ppid.group(1)) > 0, text  # control: allowed syscall ran
 
 
+async def test_typing_into_a_terminal_is_refused(sb: Sandboxes) -> None:
+    # TIOCSTI/TIOCLINUX push input into a terminal; tried on a fresh pty the sandbox owns, and
+    # the harmless TIOCGWINSZ on the same fd is the control.
+    script = f"""{PY} - <<'EOF'
+import fcntl, os, pty, struct, termios
+leader, follower = pty.openpty()
+try:
+    fcntl.ioctl(follower, termios.TIOCGWINSZ, bytes(8))
+    print("winsz=ok")
+except OSError as exc:
+    print(f"winsz={{exc.errno}}")
+for name, request in (("tiocsti", termios.TIOCSTI), ("tioclinux", 0x541C)):
+    try:
+        fcntl.ioctl(follower, request, b"x")
+        print(f"{{name}}=ok")
+    except OSError as exc:
+        print(f"{{name}}={{exc.errno}}")
+EOF"""
+    text = output(await sb.run(script))
+    assert "winsz=ok" in text, text
+    assert "tiocsti=1\n" in text and "tioclinux=1\n" in text, text
+
+
 # --- host processes --------------------------------------------------------------------------
 
 
@@ -264,6 +288,57 @@ async def test_destroy_kills_a_running_command_and_its_children(sb: Sandboxes) -
         await sb.manager.destroy(handle.session_id)
         code = await asyncio.wait_for(execution.wait(), timeout=5.0)
     assert code != 0
+    assert await wait_until(lambda: not host_pids_with(marker)), host_pids_with(marker)
+
+
+SERVER = """
+import asyncio, os, sys
+from cc_server.backends.probe import probe
+from cc_server.policy import HostFacts, parse_spec
+from cc_server.runtime.port import SandboxManager
+from cc_server.runtime.handle import run_collect
+
+async def main():
+    home, wt, script = sys.argv[1:4]
+    host = HostFacts.current()
+    host = HostFacts(platform=host.platform, home=home, realpath=os.path.realpath,
+                     exists=os.path.lexists, is_dir=os.path.isdir)
+    mgr = SandboxManager(probe_result=probe(), host=host)
+    spec = {"sessionId": "crash", "workspaceId": "w", "bindMounts": [{"hostPath": wt}]}
+    handle = mgr.launch(parse_spec(spec))
+    print("launching", flush=True)
+    await run_collect(handle, ["/bin/sh", "-c", script], timeout_s=600)
+
+asyncio.run(main())
+"""
+
+
+async def test_sandbox_dies_with_a_crashed_server(sb: Sandboxes) -> None:
+    # --die-with-parent: a server killed with SIGKILL (no aclose, no destroy) must not leave the
+    # sandboxed command, or a process it detached, running on the host.
+    marker = unique("cc-crash")
+    script = (
+        f"m={shell_word(marker)}; setsid /bin/sh -c 'sleep 300; : '\"$m\" </dev/null "
+        ">/dev/null 2>&1 & sleep 300"
+    )
+    server = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        SERVER,
+        str(sb.home),
+        str(sb.worktree),
+        script,
+        stdout=asyncio.subprocess.PIPE,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    try:
+        assert server.stdout is not None
+        assert await asyncio.wait_for(server.stdout.readline(), 10) == b"launching\n"
+        # Control: the detached child is really running, seen from the host.
+        assert await wait_until(lambda: len(host_pids_with(marker)) == 1, timeout_s=5.0)
+    finally:
+        server.kill()
+        await server.wait()
     assert await wait_until(lambda: not host_pids_with(marker)), host_pids_with(marker)
 
 
