@@ -160,7 +160,9 @@ def _step_deny_write(
         if not host.exists(rule.path):
             continue
         target = host.realpath(rule.path)
-        if target in done:
+        if target in done or not host.exists(target):
+            # A dangling symlink: its target does not exist, so there is nothing to mount over
+            # (mounting would create a stub on the host). Same limit as a missing name.
             continue
         done.add(target)
         mount = _visible_mount(policy.mounts, target)
@@ -191,7 +193,9 @@ def _step_deny_read(
         if not host.exists(rule.path):
             continue
         target = host.realpath(rule.path)
-        if target in done:
+        if target in done or not host.exists(target):
+            # A dangling symlink: its target does not exist, so there is nothing to mount over
+            # (mounting would create a stub on the host). Same limit as a missing name.
             continue
         mount = _visible_mount([*policy.mounts, *system], target)
         # A bind at or below the secret (bindMounts: ~/.ssh/keys) exposes it even when nothing
@@ -232,7 +236,9 @@ def plan_bubblewrap(
     if not command.argv:
         raise BadSpec("the command is empty", fix="pass the program to run after '--'")
     if not posixpath.isabs(bwrap):
-        raise EnforcementFailed(f"bwrap path {bwrap!r} is not absolute; it must come from the probe")
+        raise EnforcementFailed(
+            f"bwrap path {bwrap!r} is not absolute; it must come from the probe"
+        )
     _check_policy(policy)
     try:
         bpf = filter_bpf()

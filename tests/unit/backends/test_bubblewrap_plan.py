@@ -615,12 +615,6 @@ def test_protected_path_outside_every_bind_emits_nothing() -> None:
     assert "/elsewhere" not in p.argv, p.render()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: existence is checked on the rule's literal path (lexists), not on the resolved "
-    "target, so a dangling symlink yields `--ro-bind /dev/null <missing target>`, which bwrap "
-    "creates as an empty file on the host through the writable bind",
-)
 def test_no_mask_on_the_missing_target_of_a_dangling_secret_symlink() -> None:
     host = make_host(
         dirs={f"{HOME}/secrets"}, links={f"{HOME}/.netrc": f"{HOME}/secrets/netrc"}
@@ -629,12 +623,6 @@ def test_no_mask_on_the_missing_target_of_a_dangling_secret_symlink() -> None:
     assert f"{HOME}/secrets/netrc" not in p.argv, p.render()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a dangling symlink named like a mandatory deny-write path (.bashrc) yields "
-    "`--ro-bind <missing> <missing>`; bwrap then fails on the missing source, so a repo can "
-    "stop every launch by committing one dangling symlink",
-)
 def test_no_ro_bind_of_the_missing_target_of_a_dangling_symlink() -> None:
     host = make_host(dirs={"/work/repo"}, links={"/work/repo/.bashrc": "/work/repo/gone"})
     p = plan(make_policy(host, bindMounts=[{"hostPath": "/work/repo"}]), host)
