@@ -216,7 +216,7 @@ def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
     if policy.workdir is not None:
         return policy.workdir
     for mount in policy.mounts:
-        if mount.reason.startswith("bind mount"):
+        if mount.reason.startswith("bind mount") and host.is_dir(mount.host_path):
             return mount.host_path
     return host.home
 

@@ -755,3 +755,12 @@ def test_real_filter_is_what_the_plan_carries(monkeypatch: pytest.MonkeyPatch) -
     host = make_host()
     argv = plan(make_policy(host), host).argv
     assert argv[-3] == FdArg(name="seccomp.bpf", data=filter_bpf())
+
+
+def test_default_workdir_skips_a_file_bind() -> None:
+    host = make_host(dirs={"/work/repo"}, files={"/work/notes.txt"})
+    policy = make_policy(
+        host, bindMounts=[{"hostPath": "/work/notes.txt"}, {"hostPath": "/work/repo"}]
+    )
+    argv = plan(policy, host).argv
+    assert argv[argv.index("--chdir") + 1] == "/work/repo"
