@@ -1,0 +1,258 @@
+"""The `cc-server` command line, run as a real subprocess against real bubblewrap.
+
+Every invocation gets an explicit environment (PATH and a $HOME under tmp_path, plus whatever a
+test adds), never the test process's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CLI_TIMEOUT_S = 60.0  # a hang guard; every invocation here finishes in a second or two
+PROMPT_S = 10.0  # "promptly" for a --timeout 1 run, far below the command's own 30 s
+
+
+@pytest.fixture
+def env(tmp_path: pathlib.Path) -> dict[str, str]:
+    home = tmp_path / "home"
+    home.mkdir()
+    return {"PATH": os.environ["PATH"], "HOME": str(home)}
+
+
+@pytest.fixture
+def work(tmp_path: pathlib.Path) -> pathlib.Path:
+    """A directory bound into the sandbox, so a command there could leave a visible marker."""
+    path = tmp_path / "work"
+    path.mkdir()
+    return path
+
+
+def cli(
+    *args: str | os.PathLike[str], env: dict[str, str], cwd: pathlib.Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cc_server.cli", *map(str, args)],
+        env=env,
+        cwd=cwd,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=CLI_TIMEOUT_S,
+        check=False,
+    )
+
+
+def json_lines(stdout: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in stdout.splitlines() if line.strip()]
+
+
+# --- run -----------------------------------------------------------------------------------------
+
+
+def test_run_exits_with_the_commands_code(env: dict[str, str]) -> None:
+    proc = cli("run", "--", "sh", "-c", "exit 7", env=env)
+    assert proc.returncode == 7, proc.stderr
+    ok = cli("run", "--", "true", env=env)
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_run_passes_output_through(env: dict[str, str]) -> None:
+    proc = cli("run", "--", "sh", "-c", "echo out; echo err >&2; hostname", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "out\ncc-sandbox\n"
+    assert proc.stderr == "err\n"
+
+
+def test_run_events_json_streams_every_event(env: dict[str, str]) -> None:
+    proc = cli("run", "--events", "json", "--", "echo", "hi", env=env)
+    assert proc.returncode == 0, proc.stderr
+    events = json_lines(proc.stdout)
+    assert [e["type"] for e in events] == ["starting", "ready", "stdout", "exit"]
+    assert events[2]["data"] == "hi\n"
+    assert events[3]["exitCode"] == 0
+    assert len({e["sessionId"] for e in events}) == 1
+    assert len({e["execId"] for e in events}) == 1
+
+
+def test_run_events_json_reports_stderr_and_the_exit_code(env: dict[str, str]) -> None:
+    proc = cli("run", "--events", "json", "--", "sh", "-c", "echo oops >&2; exit 5", env=env)
+    assert proc.returncode == 5, proc.stderr
+    events = json_lines(proc.stdout)
+    assert {"type": "stderr", "data": "oops\n"}.items() <= events[2].items()
+    assert events[-1]["type"] == "exit" and events[-1]["exitCode"] == 5
+
+
+def test_run_with_a_deny_create_rule_is_refused_and_never_runs(
+    env: dict[str, str], work: pathlib.Path
+) -> None:
+    marker = work / "ran"
+    # Control: without the rule the same command does create the marker through the bind.
+    control = cli("run", "--bind", work, "--", "touch", marker, env=env)
+    assert control.returncode == 0, control.stderr
+    assert marker.exists()
+    marker.unlink()
+
+    proc = cli("run", "--deny-create", "*.pem", "--bind", work, "--", "touch", marker, env=env)
+    assert proc.returncode == 125
+    assert "create-time filename rules" in proc.stderr
+    assert "BackendUnavailable" in proc.stderr
+    assert not marker.exists()
+
+
+def test_run_with_a_missing_relative_bind_is_a_usage_error(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    proc = cli("run", "--bind", "relative/missing", "--", "true", env=env, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "BadSpec" in proc.stderr
+    assert str(tmp_path / "relative" / "missing") in proc.stderr  # resolved against the cwd
+
+
+def test_run_with_an_unknown_spec_field_names_it(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"sessionId": "x", "workspaceId": "w", "bogusFieldName": 1}))
+    proc = cli("run", "--spec", spec, "--", "true", env=env)
+    assert proc.returncode == 2
+    assert "bogusFieldName" in proc.stderr
+
+
+def test_run_with_an_unreadable_spec_is_a_usage_error(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    missing = cli("run", "--spec", tmp_path / "nope.json", "--", "true", env=env)
+    assert missing.returncode == 2
+    assert "nope.json" in missing.stderr
+    not_json = tmp_path / "bad.json"
+    not_json.write_text("{not json")
+    assert cli("run", "--spec", not_json, "--", "true", env=env).returncode == 2
+
+
+def test_run_without_a_command_is_a_usage_error(env: dict[str, str]) -> None:
+    proc = cli("run", env=env)
+    assert proc.returncode == 2
+    assert "no command given" in proc.stderr
+
+
+def test_run_with_microvm_is_refused(env: dict[str, str], work: pathlib.Path) -> None:
+    marker = work / "ran"
+    proc = cli("run", "--backend", "microvm", "--bind", work, "--", "touch", marker, env=env)
+    assert proc.returncode == 125
+    assert "microvm" in proc.stderr
+    assert not marker.exists()
+
+
+def test_run_with_backend_none_runs_on_the_host(env: dict[str, str]) -> None:
+    proc = cli("run", "--backend", "none", "--", "cat", "/proc/sys/kernel/hostname", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() not in ("", "cc-sandbox")
+
+
+def test_run_timeout_kills_promptly_with_137(env: dict[str, str]) -> None:
+    started = time.monotonic()
+    proc = cli("run", "--timeout", "1", "--", "sleep", "30", env=env)
+    assert time.monotonic() - started < PROMPT_S
+    assert proc.returncode == 137
+    assert "killed (timeout)" in proc.stderr
+
+
+def test_run_timeout_with_events_reports_killed_then_exit(env: dict[str, str]) -> None:
+    proc = cli("run", "--events", "json", "--timeout", "1", "--", "sleep", "30", env=env)
+    assert proc.returncode == 137
+    events = json_lines(proc.stdout)
+    assert [e["type"] for e in events][-2:] == ["killed", "exit"]
+    assert events[-2]["reason"] == "timeout"
+    assert events[-1]["exitCode"] == 137
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["--timeout", "30"]], ids=["attached", "streaming-inherited"]
+)
+def test_caller_secrets_do_not_reach_the_command_but_term_does(
+    env: dict[str, str], extra: list[str]
+) -> None:
+    env = {
+        **env,
+        "GITHUB_TOKEN": "xyz",
+        "AWS_SECRET_ACCESS_KEY": "abc",
+        "TERM": "xterm-cc-test",
+        "LC_CC_TEST": "lc-passes",
+    }
+    script = (
+        "echo ${GITHUB_TOKEN:-absent}; echo ${AWS_SECRET_ACCESS_KEY:-absent}; "
+        "echo ${TERM:-unset}; echo ${LC_CC_TEST:-unset}"
+    )
+    proc = cli("run", *extra, "--", "sh", "-c", script, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["absent", "absent", "xterm-cc-test", "lc-passes"]
+
+
+def test_run_env_option_sets_a_variable(env: dict[str, str]) -> None:
+    proc = cli("run", "--env", "FOO=bar=baz", "--", "sh", "-c", "echo $FOO", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "bar=baz\n"
+    assert cli("run", "--env", "NOEQUALS", "--", "true", env=env).returncode == 2
+
+
+# --- plan and probe ------------------------------------------------------------------------------
+
+
+def test_plan_prints_the_bwrap_argv_and_runs_nothing(
+    env: dict[str, str], work: pathlib.Path
+) -> None:
+    marker = work / "ran"
+    proc = cli("plan", "--bind", work, "--", "touch", marker, env=env)
+    assert proc.returncode == 0, proc.stderr
+    words = [line.strip() for line in proc.stdout.splitlines()]
+    assert "backend: native" in words
+    assert "--unshare-net" in words
+    assert "--seccomp" in words
+    assert str(marker) in words
+    assert not marker.exists()
+
+
+def test_plan_json_parses_and_runs_nothing(env: dict[str, str], work: pathlib.Path) -> None:
+    marker = work / "ran"
+    env = {**env, "GITHUB_TOKEN": "xyz"}
+    proc = cli("plan", "--json", "--bind", work, "--", "touch", marker, env=env)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["backend"] == "native"
+    assert "--unshare-net" in plan["argv"] and "--seccomp" in plan["argv"]
+    assert plan["argv"][-3:] == ["--", "touch", str(marker)]
+    assert "GITHUB_TOKEN" not in plan["env"]
+    assert plan["env"]["HOME"] == env["HOME"]
+    assert not marker.exists()
+
+
+def test_plan_with_a_deny_create_rule_is_refused(env: dict[str, str]) -> None:
+    proc = cli("plan", "--deny-create", "*.pem", "--", "true", env=env)
+    assert proc.returncode == 125
+    assert "create-time filename rules" in proc.stderr
+
+
+def test_probe_json_reports_bubblewrap(env: dict[str, str]) -> None:
+    proc = cli("probe", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["available"] is True
+    assert result["mechanism"] == "bubblewrap"
+    assert set(result["tools"]) == {"bwrap", "socat"}
+
+
+def test_probe_text(env: dict[str, str]) -> None:
+    proc = cli("probe", env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "available: yes" in proc.stdout
+    assert "mechanism: bubblewrap" in proc.stdout
