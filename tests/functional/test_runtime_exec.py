@@ -375,3 +375,37 @@ async def test_a_disabled_sandbox_runs_none_when_unspecified(
         assert manager.launch(spec()).backend is SandboxBackend.NONE
     finally:
         await manager.aclose()
+
+
+
+async def test_wait_returns_without_reading_many_output_chunks(manager: SandboxManager) -> None:
+    # More output chunks than the event queue holds, and nobody reads the events.
+    handle = manager.launch(spec())
+    script = "i=0; while [ $i -lt 400 ]; do echo $i; sleep 0.001; i=$((i+1)); done"
+    async with asyncio.timeout(RUN_TIMEOUT_S), handle.exec([SH, "-c", script]) as execution:
+        assert await execution.wait() == 0
+
+
+async def test_none_background_child_holding_stdout_does_not_hold_the_run(
+    manager: SandboxManager,
+) -> None:
+    handle = manager.launch(spec("none-bg"), backend=SandboxBackend.NONE)
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        result = await run_collect(
+            handle, [SH, "-c", "/bin/sleep 300 & echo done"], timeout_s=RUN_TIMEOUT_S
+        )
+    assert result.stdout == b"done\n"
+    assert result.exit_code == 0
+
+
+async def test_none_setsid_child_holding_stdout_does_not_hold_the_run(
+    manager: SandboxManager,
+) -> None:
+    # A descendant that left the process group cannot be signalled with it, and keeps the pipe
+    # open: the execution still ends, a bounded time after the command.
+    handle = manager.launch(spec("none-setsid"), backend=SandboxBackend.NONE)
+    async with asyncio.timeout(RUN_TIMEOUT_S):
+        result = await run_collect(
+            handle, [SH, "-c", "setsid /bin/sleep 5 & echo done"], timeout_s=RUN_TIMEOUT_S
+        )
+    assert result.stdout == b"done\n"

@@ -32,6 +32,9 @@ __all__ = ["Execution", "SandboxHandle"]
 EVENT_QUEUE_SIZE: Final = 256  # events buffered per execution before readers wait for the consumer
 READ_CHUNK_BYTES: Final = 64 * 1024  # one stdout/stderr event carries at most this much
 KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to be reaped
+# After the command exits, how long its pipes may take to reach EOF. A descendant that left the
+# process group (setsid on `none`) can hold them open forever; it must not hold the execution.
+PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
 
 
 @dataclass(eq=False)
@@ -205,14 +208,17 @@ class Execution:
     async def __aexit__(self, *exc_info: object) -> None:
         if not self._done.is_set():
             await self.kill(reason="manual")
-        # Nobody reads the events any more: drain them so no reader blocks on a full queue.
+        await self._discard_until_done()
+        assert self._task_group is not None
+        await self._task_group.__aexit__(None, None, None)
+
+    async def _discard_until_done(self) -> None:
+        """Nobody reads the events: discard them so no reader blocks on a full queue."""
         while not self._done.is_set():
             while not self._queue.empty():
                 self._queue.get_nowait()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._done.wait(), timeout=0.05)
-        assert self._task_group is not None
-        await self._task_group.__aexit__(None, None, None)
 
     async def _pump(self, stream: asyncio.StreamReader | None, kind: EventType) -> None:
         if stream is None:
@@ -233,17 +239,30 @@ class Execution:
         assert proc is not None
         try:
             async with asyncio.TaskGroup() as tg:
-                tg.create_task(self._pump(proc.stdout, EventType.STDOUT), name="stdout")
-                tg.create_task(self._pump(proc.stderr, EventType.STDERR), name="stderr")
+                readers = [
+                    tg.create_task(self._pump(proc.stdout, EventType.STDOUT), name="stdout"),
+                    tg.create_task(self._pump(proc.stderr, EventType.STDERR), name="stderr"),
+                ]
                 if self._stdin_data is not None:
                     tg.create_task(self._feed_stdin(), name="stdin")
                 try:
                     async with asyncio.timeout(self._timeout_s):
-                        await proc.wait()
+                        await self._exited()
                 except TimeoutError:
                     await self.kill(reason="timeout")
+                # Whatever is left in the command's host-side process group goes with it (on
+                # `none`; a sandbox's processes died with its PID 1). Buffered output is still
+                # read, for a bounded time.
+                self._signal_group()
+                _, pending = await asyncio.wait(readers, timeout=PIPE_DRAIN_AFTER_EXIT_S)
+                for reader in pending:
+                    reader.cancel()
         finally:
-            code = proc.returncode if proc.returncode is not None else await proc.wait()
+            if proc.returncode is None:  # cancelled before the command ended
+                self._signal_group()
+                await self._exited()
+            code = proc.returncode
+            assert code is not None
             self.exit_code = 128 - code if code < 0 else code
             if self._killed_reason is not None:
                 await self._queue.put(self._event(EventType.KILLED, reason=self._killed_reason))
@@ -270,15 +289,51 @@ class Execution:
         the sandbox's PID namespace.
         """
         proc = self._proc
-        if proc is None or proc.returncode is not None:
+        if proc is None or self._done.is_set():
             return
-        if self._killed_reason is None:
+        if proc.returncode is None and self._killed_reason is None:
             self._killed_reason = reason
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+        self._signal_group()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(KILL_GRACE_S):
-                await proc.wait()
+                await self._exited()
+
+    async def _exited(self) -> None:
+        """Wait for the command itself to exit.
+
+        Not `Process.wait()`: asyncio's also waits for every pipe to close, which a descendant
+        holding stdout can postpone forever. A pidfd becomes readable when the process exits;
+        the loop's child watcher then sets `returncode` within a loop iteration or two.
+        """
+        proc = self._proc
+        assert proc is not None
+        if proc.returncode is None:
+            loop = asyncio.get_running_loop()
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+            except ProcessLookupError:  # already reaped: returncode is on its way
+                pidfd = -1
+            if pidfd >= 0:
+                exited: asyncio.Future[None] = loop.create_future()
+
+                def on_exit() -> None:
+                    if not exited.done():
+                        exited.set_result(None)
+
+                loop.add_reader(pidfd, on_exit)
+                try:
+                    await exited
+                finally:
+                    loop.remove_reader(pidfd)
+                    os.close(pidfd)
+        while proc.returncode is None:
+            await asyncio.sleep(0.001)
+
+    def _signal_group(self) -> None:
+        # The group id stays reserved while any member lives, so this never hits a stranger.
+        assert self._proc is not None
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
 
     def __aiter__(self) -> AsyncIterator[SandboxEvent]:
         return self._events()
@@ -291,8 +346,11 @@ class Execution:
                 return
 
     async def wait(self) -> int:
-        """Wait for the command to exit and return its exit code (128+N for signal N)."""
-        await self._done.wait()
+        """Wait for the command to exit and return its exit code (128+N for signal N).
+
+        Events nobody has read are discarded meanwhile (use `collect()` to keep them).
+        """
+        await self._discard_until_done()
         assert self.exit_code is not None
         return self.exit_code
 
