@@ -406,6 +406,9 @@ async def test_none_setsid_child_holding_stdout_does_not_hold_the_run(
     handle = manager.launch(spec("none-setsid"), backend=SandboxBackend.NONE)
     async with asyncio.timeout(RUN_TIMEOUT_S):
         result = await run_collect(
-            handle, [SH, "-c", "setsid /bin/sleep 5 & echo done"], timeout_s=RUN_TIMEOUT_S
+            # The pause lets the child leave the group before the shell exits.
+            handle,
+            [SH, "-c", "setsid /bin/sleep 8 & sleep 0.3; echo done"],
+            timeout_s=RUN_TIMEOUT_S,
         )
     assert result.stdout == b"done\n"
