@@ -107,6 +107,7 @@ class HttpProxyMachine(HandshakeMachine):
         super().__init__()
         self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
         self._received = 0  # every byte fed, to measure the head once h11 has parsed it
+        self._first_byte: int | None = None
         self._connect = False
         self._forward_head = b""
 
@@ -116,10 +117,18 @@ class HttpProxyMachine(HandshakeMachine):
         return len(self._conn.trailing_data[0])
 
     def _feed(self, data: bytes) -> None:
+        if self._first_byte is None and data:
+            self._first_byte = data[0]
         self._received += len(data)
         self._conn.receive_data(data)
 
     def _parse(self) -> NeedData | SendToClient | CheckEgress | ProtocolRefused:
+        # A request line starts with a method token. h11 checks this too, but only while the head
+        # is incomplete, with a different message than once it is complete; checking here gives
+        # the same answer however the bytes were split. (h11 would skip a leading empty line, a
+        # keep-alive leftover that cannot occur on a fresh one-request connection.)
+        if self._first_byte is not None and self._first_byte < 0x21:
+            return _refuse(400, "illegal request line")
         try:
             event = self._conn.next_event()
         except h11.RemoteProtocolError as exc:

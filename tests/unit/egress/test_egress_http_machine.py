@@ -323,6 +323,9 @@ def test_host_header_agrees_case_insensitively_with_default_port_elided(
             "body",
         ),
         (b"\x16\x03\x01\x00\x05hello\r\n\r\n", 400, "request line"),
+        (b"\x16\x03\x01\x00\x05", 400, "illegal request line"),
+        (b"\r\nGET http://a.com/ HTTP/1.1\r\nHost: a.com\r\n\r\n", 400, "request line"),
+        (b"\r\n\r\n", 400, "illegal request line"),
         (b"GET http://a.com/ HTTP/1.1\r\nBad Header: x\r\n\r\n", 400, "header"),
     ],
 )
