@@ -71,10 +71,12 @@ async def start(
     stdin: _Stream = None,
     stdout: _Stream = None,
     stderr: _Stream = None,
-) -> asyncio.subprocess.Process:
+) -> tuple[asyncio.subprocess.Process, asyncio.SubprocessTransport]:
     """Spawn the plan. `None` streams are inherited from the server process.
 
     The child starts in a new session so its whole host-side process group can be signalled.
+    Returns the process and its transport: the caller closes the transport when done with it,
+    since a descendant holding a pipe would otherwise keep it (and its fds) open.
 
     Raises:
         EnforcementFailed: the program could not be started (missing binary, bad cwd, fd setup);
@@ -82,8 +84,11 @@ async def start(
     """
     import asyncio  # lazy import (see the module docstring)
 
+    loop = asyncio.get_running_loop()
     with _materialised(plan) as (argv, fds):
-        return await asyncio.create_subprocess_exec(
+        # What asyncio.create_subprocess_exec does, keeping the transport.
+        transport, protocol = await loop.subprocess_exec(
+            lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=2**16, loop=loop),
             *argv,
             stdin=stdin,
             stdout=stdout,
@@ -93,6 +98,7 @@ async def start(
             pass_fds=fds,
             start_new_session=True,
         )
+        return asyncio.subprocess.Process(transport, protocol, loop), transport
     raise AssertionError("unreachable")  # pragma: no cover (the context manager re-raises)
 
 

@@ -168,6 +168,7 @@ class Execution:
         self._timeout_s = timeout_s
         self._queue: asyncio.Queue[SandboxEvent] = asyncio.Queue(EVENT_QUEUE_SIZE)
         self._proc: asyncio.subprocess.Process | None = None
+        self._transport: asyncio.SubprocessTransport | None = None
         self._killed_reason: str | None = None
         self._task_group: asyncio.TaskGroup | None = None
         self._done = asyncio.Event()
@@ -192,7 +193,7 @@ class Execution:
             else pipe if (self._stdin_data is not None or self._interactive)
             else asyncio.subprocess.DEVNULL
         )
-        self._proc = await start(
+        self._proc, self._transport = await start(
             plan,
             stdin=stdin_mode,
             stdout=None if self._inherit else pipe,
@@ -263,6 +264,8 @@ class Execution:
                 await self._exited()
             code = proc.returncode
             assert code is not None
+            if self._transport is not None:
+                self._transport.close()  # our pipe ends, even if a descendant still holds theirs
             self.exit_code = 128 - code if code < 0 else code
             if self._killed_reason is not None:
                 await self._queue.put(self._event(EventType.KILLED, reason=self._killed_reason))
