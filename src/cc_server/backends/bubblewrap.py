@@ -9,6 +9,7 @@ from __future__ import annotations
 import posixpath
 from collections.abc import Sequence
 
+from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_argv
 from cc_server.backends.plan import Command, FdArg, LaunchPlan
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
@@ -221,17 +222,38 @@ def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
     return host.home
 
 
+def _step_egress(command: Command, socat: str | None) -> tuple[list[str | FdArg], tuple[str, ...]]:
+    # 7. The session's proxy sockets, read-only, and the command wrapped so that the loopback
+    #    listeners bridging to them are up before it runs. No bridge: no network at all.
+    if command.egress is None:
+        return [], command.argv
+    if socat is None or not posixpath.isabs(socat):
+        raise EnforcementFailed(
+            "the egress bridge needs socat, resolved by the probe",
+            fix="install socat (apt-get install socat)",
+        )
+    bind: list[str | FdArg] = ["--ro-bind", command.egress.socket_dir, BRIDGE_DIR]
+    return bind, bridged_argv(socat, command.argv)
+
+
 def plan_bubblewrap(
-    policy: CompiledPolicy, command: Command, *, host: HostFacts, bwrap: str
+    policy: CompiledPolicy,
+    command: Command,
+    *,
+    host: HostFacts,
+    bwrap: str,
+    socat: str | None = None,
 ) -> LaunchPlan:
     """Plan a bubblewrap launch of `command` under `policy`.
 
-    `bwrap` is the absolute path the probe resolved.
+    `bwrap` and `socat` are the absolute paths the probe resolved; `socat` is needed only when
+    the command carries an egress bridge.
 
     Raises:
         BackendUnavailable: the policy needs create-time filename rules, which bwrap cannot enforce.
         BadSpec: a mount asks for a guest path other than its host path, or a command is empty.
-        EnforcementFailed: the seccomp filter could not be built.
+        EnforcementFailed: the seccomp filter could not be built, or socat is missing for the
+            egress bridge.
     """
     if not command.argv:
         raise BadSpec("the command is empty", fix="pass the program to run after '--'")
@@ -258,29 +280,32 @@ def plan_bubblewrap(
     argv += _step_binds(host, policy.mounts)
     argv += _step_deny_write(host, policy, pinned, read_only)
     argv += _step_deny_read(host, policy, pinned, read_only)
-    # 7. Everything not explicitly writable above is read-only, including the sandbox's root.
+    bridge_args, inner_argv = _step_egress(command, socat)
+    argv += bridge_args
+    # 8. Everything not explicitly writable above is read-only, including the sandbox's root.
     argv += ["--remount-ro", "/"]
-    # 8. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
+    # 9. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
     argv += ["--chdir", cwd, "--seccomp", FdArg(name="seccomp.bpf", data=bpf)]
-    argv += ["--", *command.argv]
+    argv += ["--", *inner_argv]
 
     env = dict(command.env)
     env.setdefault("PATH", DEFAULT_PATH)
     env.setdefault("HOME", host.home)
+    if command.egress is not None:
+        env.update(bridge_env())
     return LaunchPlan(
         backend=SandboxBackend.NATIVE,
         argv=tuple(argv),
         env=tuple(sorted(env.items())),
         cwd=None,
-        notes=_notes(policy),
+        notes=_notes(policy, command),
     )
 
 
-def _notes(policy: CompiledPolicy) -> tuple[str, ...]:
-    notes: list[str] = []
+def _notes(policy: CompiledPolicy, command: Command) -> tuple[str, ...]:
+    if command.egress is None:
+        return ("network: none (no egress bridge for this launch)",)
     if not policy.network_allowed:
-        notes.append("network: none (network disabled for this session)")
-    else:
-        notes.append("network: none until the egress proxies are bridged in")
-    return tuple(notes)
+        return ("network: proxies only, and they refuse every connection (network disabled)",)
+    return ("network: only through the session's HTTP and SOCKS5 proxies (allowlist enforced)",)
 

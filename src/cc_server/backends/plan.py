@@ -8,16 +8,26 @@ from dataclasses import dataclass, field
 
 from cc_server.policy import CompiledPolicy, SandboxBackend
 
-__all__ = ["Command", "FdArg", "LaunchPlan", "Planner"]
+__all__ = ["Command", "EgressBridge", "FdArg", "LaunchPlan", "Planner"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EgressBridge:
+    """Where a session's egress proxies answer on the host: a private directory holding the
+    Unix sockets `http.sock` and `socks.sock`, which a backend bridges into the sandbox."""
+
+    socket_dir: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Command:
-    """What to run: argv, the exact environment it gets, and its working directory."""
+    """What to run: argv, the exact environment it gets, its working directory, and the
+    session's egress bridge when its network goes through the proxies."""
 
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()
     cwd: str | None = None
+    egress: EgressBridge | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

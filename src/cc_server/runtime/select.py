@@ -61,7 +61,12 @@ def planner_for(backend: SandboxBackend, probe_result: ProbeResult, host: HostFa
             Platform.LINUX,
             Platform.WSL2,
         ):
-            return partial(plan_bubblewrap, host=host, bwrap=probe_result.tools["bwrap"])
+            return partial(
+                plan_bubblewrap,
+                host=host,
+                bwrap=probe_result.tools["bwrap"],
+                socat=probe_result.tools.get("socat"),
+            )
         raise BackendUnavailable(
             f"the {probe_result.mechanism} adapter is not available in this build",
             fix="use a Linux host with bubblewrap, or request backend 'none' explicitly",

@@ -17,7 +17,8 @@ from cc_server.backends.bubblewrap import (
     SYSTEM_RO_PATHS,
     plan_bubblewrap,
 )
-from cc_server.backends.plan import Command, FdArg, LaunchPlan
+from cc_server.backends.egress_bridge import BRIDGE_DIR
+from cc_server.backends.plan import Command, EgressBridge, FdArg, LaunchPlan
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
 from cc_server.policy import (
@@ -241,7 +242,7 @@ def test_representative_argv_exact(rep_plan: LaunchPlan) -> None:
     assert rep_plan.backend is SandboxBackend.NATIVE
     assert rep_plan.cwd is None, rep_plan.render()  # bwrap does the chdir
     assert rep_plan.env == (("HOME", HOME), ("LANG", "C.UTF-8"), ("PATH", DEFAULT_PATH))
-    assert rep_plan.notes == ("network: none until the egress proxies are bridged in",)
+    assert rep_plan.notes == ("network: none (no egress bridge for this launch)",)
 
 
 def test_namespaces_come_first(rep_plan: LaunchPlan) -> None:
@@ -686,7 +687,7 @@ def test_cwd_command_then_workdir_then_first_bind_then_home() -> None:
 def test_note_when_network_disabled() -> None:
     host = make_host()
     p = plan(make_policy(host, networkEnabled=False), host)
-    assert p.notes == ("network: none (network disabled for this session)",)
+    assert p.notes == ("network: none (no egress bridge for this launch)",)
     assert "--share-net" not in p.argv
 
 
@@ -764,3 +765,46 @@ def test_default_workdir_skips_a_file_bind() -> None:
     )
     argv = plan(policy, host).argv
     assert argv[argv.index("--chdir") + 1] == "/work/repo"
+
+
+# --- egress bridge -----------------------------------------------------------------------------
+
+
+def _bridged(network: bool = True, socat: str | None = "/usr/bin/socat") -> LaunchPlan:
+    host = make_host(dirs={"/work/repo"})
+    policy = make_policy(host, bindMounts=[{"hostPath": "/work/repo"}], networkEnabled=network)
+    bridge = EgressBridge(socket_dir="/run/x")
+    command = Command(argv=("curl", "https://example.org"), egress=bridge)
+    return plan_bubblewrap(policy, command, host=host, bwrap="/usr/bin/bwrap", socat=socat)
+
+
+def test_egress_bridge_binds_the_socket_dir_read_only_and_wraps_the_command() -> None:
+    p = _bridged()
+    argv = [str(a) for a in p.argv]
+    i = argv.index("/run/x")
+    assert argv[i - 1 : i + 2] == ["--ro-bind", "/run/x", BRIDGE_DIR], p.render()
+    assert i < argv.index("--remount-ro"), p.render()
+    tail = argv[argv.index("--") + 1 :]
+    assert tail[:2] == ["/bin/sh", "-c"]
+    assert tail[3:] == ["cc-egress-bridge", "/usr/bin/socat", "curl", "https://example.org"]
+    assert "UNIX-CONNECT:/run/cc-egress/http.sock" in tail[2]
+    assert "--share-net" not in argv
+    env = dict(p.env)
+    assert env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+    assert env["ALL_PROXY"] == "socks5h://127.0.0.1:1080"
+    assert "nc -X 5 -x 127.0.0.1:1080" in env["GIT_SSH_COMMAND"]
+    assert p.notes == (
+        "network: only through the session's HTTP and SOCKS5 proxies (allowlist enforced)",
+    )
+
+
+def test_egress_bridge_with_the_network_off_says_the_proxies_refuse_everything() -> None:
+    assert _bridged(network=False).notes == (
+        "network: proxies only, and they refuse every connection (network disabled)",
+    )
+
+
+@pytest.mark.parametrize("socat", [None, "socat"])
+def test_egress_bridge_without_an_absolute_socat_is_refused(socat: str | None) -> None:
+    with pytest.raises(EnforcementFailed, match="socat"):
+        _bridged(socat=socat)

@@ -114,7 +114,11 @@ def test_planner_for_native_bubblewrap_is_a_bound_plan_bubblewrap(probe: ProbeRe
     assert isinstance(planner, functools.partial)
     assert planner.func is plan_bubblewrap
     assert planner.args == ()
-    assert planner.keywords == {"host": host, "bwrap": BWRAP}
+    assert planner.keywords == {
+        "host": host,
+        "bwrap": BWRAP,
+        "socat": probe.tools.get("socat"),
+    }
     assert planner.keywords["host"] is host
 
 
