@@ -1,0 +1,380 @@
+#!/usr/bin/env python3
+"""Egress proxy throughput and request overhead, each as a ratio to a direct connection measured
+in the same run.
+
+Cases (one warm-up round is thrown away, then --runs rounds; each round runs every case once and
+starts one case further along than the round before; each figure is the median over the rounds):
+  download direct    a --size-mib download of random bytes straight from the upstream
+  download CONNECT   the same through a CONNECT tunnel of the session's HTTP proxy (curl -p -x)
+  download SOCKS5    the same through the session's SOCKS5 proxy (curl --socks5)
+  small direct       500 sequential GETs of a 1 KiB body, a new connection each
+  small via proxy    the same through the HTTP proxy (absolute-form GET, one request a connection)
+  --soak             afterwards, 100 back-to-back downloads through the CONNECT tunnel, each hashed
+                     (sha256) as it arrives and compared with the hash of the served file;
+                     alternately Content-Length-framed and EOF-delimited (the end of the body is
+                     the upstream's FIN, so a relay that lost its last bytes would show)
+
+The upstream is a small threaded HTTP server in a child process on 127.0.0.1 that serves the
+payload from a temporary file in the page cache with socket.sendfile (the relay spike's server,
+shared/notes/proxy-relay-spike.md). The client is curl, one process per download
+(-w '%{speed_download}', output discarded, size and status checked) and one process per 500
+small requests (a config file of 500 URLs, `Connection: close`, every response checked). The
+session's proxies (open_session_proxies) run in this process on an asyncio loop in a thread of
+their own; the upstream and the clients are other processes and the main thread only waits for
+them (or, in the soak, reads and hashes with the GIL released), so nothing starves the loop.
+Targets: CONNECT and SOCKS5 download >= 0.75x direct; soak: every transfer byte-for-byte.
+
+Usage: .venv/bin/python bench/egress.py [--runs N] [--size-mib 200] [--soak]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import hashlib
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+
+from cc_server.egress.driver import EgressRefused, ProxyParams, open_session_proxies
+from cc_server.egress.patterns import Allowlist, AllowlistRule, parse_pattern
+
+MIB = 1024 * 1024
+SMALL_BYTES = 1024
+SMALL_REQUESTS = 500
+SOAK_TRANSFERS = 100
+TARGET_RATIO = 0.75
+# Generous bounds, so a hung transfer fails the run instead of hanging it.
+CURL_TIMEOUT_S = 600
+STARTUP_TIMEOUT_S = 30
+F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+
+
+# The upstream: a child process, so its threads never compete with the proxy loop for the GIL.
+
+
+def _serve(path: str, ready: Connection) -> None:
+    """Serve GET /big (the payload file; `?nolen`: no Content-Length, the body ends at EOF) and
+    GET /small (1 KiB); one thread per connection, one request per connection."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
+    small = os.urandom(SMALL_BYTES)
+    size = os.path.getsize(path)
+    server = socket.create_server(("127.0.0.1", 0), backlog=128)
+    ready.send(server.getsockname()[1])
+    ready.close()
+    while True:
+        conn, _ = server.accept()
+        threading.Thread(target=_handle, args=(conn, path, size, small), daemon=True).start()
+
+
+def _handle(conn: socket.socket, path: str, size: int, small: bytes) -> None:
+    with conn, contextlib.suppress(OSError):
+        conn.settimeout(30)
+        head = b""
+        while b"\r\n\r\n" not in head and len(head) < 65536:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return
+            head += chunk
+        parts = head.split(b" ", 2)
+        target = parts[1] if len(parts) == 3 else b""
+        if target == b"/small":
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n"
+                b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(small), small)
+            )
+        elif target in (b"/big", b"/big?nolen"):
+            length = b"" if target.endswith(b"?nolen") else b"Content-Length: %d\r\n" % size
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n%s"
+                b"Connection: close\r\n\r\n" % length
+            )
+            conn.settimeout(None)  # blocking: one sendfile call moves the whole file
+            with open(path, "rb") as payload:
+                conn.sendfile(payload)
+            conn.settimeout(30)
+        else:
+            conn.sendall(
+                b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+        # Half-close, then wait for the client's EOF: the last bytes are never reset away.
+        conn.shutdown(socket.SHUT_WR)
+        while conn.recv(65536):
+            pass
+
+
+@contextlib.contextmanager
+def upstream(path: str) -> Iterator[int]:
+    """The upstream server for the duration of the block; yields its port on 127.0.0.1."""
+    ctx = multiprocessing.get_context("spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_serve, args=(path, send), name="egress-bench-upstream")
+    process.start()
+    send.close()
+    try:
+        if not receive.poll(STARTUP_TIMEOUT_S):
+            raise RuntimeError("the upstream server did not start")
+        port: int = receive.recv()
+        receive.close()
+        yield port
+    finally:
+        process.terminate()
+        process.join(5)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+# The session's proxies: their own event loop in a background thread.
+
+
+@dataclass
+class Proxies:
+    http_port: int = 0
+    socks_port: int = 0
+    refusals: list[EgressRefused] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def session_proxies() -> Iterator[Proxies]:
+    """One session's proxies, allowing exactly the literal 127.0.0.1, on a loop in a thread."""
+    allowlist = Allowlist(
+        patterns=(AllowlistRule(parse_pattern("127.0.0.1"), "the benchmark's upstream"),)
+    )
+    found = Proxies()
+    ready = threading.Event()
+    failure: list[BaseException] = []
+    stop: list[Callable[[], None]] = []
+
+    async def run() -> None:
+        stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        stop.append(lambda: loop.call_soon_threadsafe(stopped.set))
+        params = ProxyParams(
+            session_id="bench", allowlist=allowlist, on_refused=found.refusals.append
+        )
+        async with open_session_proxies(params) as proxies:
+            found.http_port, found.socks_port = proxies.http_port, proxies.socks_port
+            ready.set()
+            await stopped.wait()
+
+    def main() -> None:
+        try:
+            asyncio.run(run())
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=main, name="egress-bench-proxies", daemon=True)
+    thread.start()
+    try:
+        if not ready.wait(STARTUP_TIMEOUT_S) or failure or not stop:
+            raise RuntimeError("the session proxies did not start") from (
+                failure[0] if failure else None
+            )
+        yield found
+    finally:
+        if stop:
+            stop[0]()
+        thread.join(STARTUP_TIMEOUT_S)
+    if failure:
+        raise RuntimeError("the session proxies failed") from failure[0]
+
+
+# The clients.
+
+
+def download(url: str, proxy: list[str], size: int) -> float:
+    """One download with curl, output discarded; returns bytes/s (curl's speed_download)."""
+    cmd = ["curl", "-s", "-S", "-f", "-o", "/dev/null",
+           "-w", "%{speed_download} %{size_download}", *proxy, url]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=CURL_TIMEOUT_S)
+    fields = done.stdout.split()
+    if done.returncode != 0 or len(fields) != 2 or int(fields[1]) != size:
+        raise RuntimeError(
+            f"download failed: {' '.join(cmd)}: exit {done.returncode}, "
+            f"out {done.stdout!r}, err {done.stderr.strip()!r}"
+        )
+    return float(fields[0])
+
+
+def small_requests(config: str, proxy: list[str]) -> float:
+    """SMALL_REQUESTS sequential requests in one curl process; returns the wall time in s."""
+    cmd = ["curl", "-s", "-S", "-K", config, "-H", "Connection: close",
+           "-w", "%{http_code} %{size_download} %{num_connects}\n", *proxy]
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=CURL_TIMEOUT_S)
+    elapsed = time.perf_counter() - start
+    lines = done.stdout.splitlines()
+    expected = f"200 {SMALL_BYTES} 1"  # status, body size, one new connection per request
+    if done.returncode != 0 or len(lines) != SMALL_REQUESTS or set(lines) != {expected}:
+        raise RuntimeError(
+            f"small requests failed: {' '.join(cmd)}: exit {done.returncode}, "
+            f"{len(lines)} results, unexpected {sorted(set(lines) - {expected})[:3]}, "
+            f"err {done.stderr.strip()[:200]!r}"
+        )
+    return elapsed
+
+
+def hashed_download(url: str, proxy: list[str]) -> tuple[int, str, int, str]:
+    """One download with curl into a pipe, hashed as it arrives.
+
+    Returns (bytes, sha256 hex, curl's exit status, curl's stderr)."""
+    digest = hashlib.sha256()
+    buffer = bytearray(MIB)
+    view = memoryview(buffer)
+    total = 0
+    with subprocess.Popen(["curl", "-s", "-S", "-f", *proxy, url], stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, bufsize=0) as curl:
+        assert curl.stdout is not None and curl.stderr is not None
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(curl.stdout.fileno(), F_SETPIPE_SZ, MIB)
+        while n := curl.stdout.readinto(view):  # type: ignore[attr-defined]
+            digest.update(view[:n])
+            total += n
+        err = curl.stderr.read().decode(errors="replace").strip()
+        status = curl.wait(CURL_TIMEOUT_S)
+    return total, digest.hexdigest(), status, err
+
+
+# The run.
+
+
+def make_payload(path: str, size: int) -> str:
+    """Write `size` random bytes to `path`; return their sha256 hex."""
+    digest = hashlib.sha256()
+    with open(path, "wb") as out:
+        left = size
+        while left:
+            chunk = os.urandom(min(left, 8 * MIB))
+            digest.update(chunk)
+            out.write(chunk)
+            left -= len(chunk)
+    return digest.hexdigest()
+
+
+def mb(rate: float) -> str:
+    return f"{rate / 1e6:.0f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="measured rounds (default 5)")
+    parser.add_argument("--size-mib", type=int, default=200, help="download size (default 200)")
+    parser.add_argument("--soak", action="store_true",
+                        help=f"then {SOAK_TRANSFERS} verified downloads through the tunnel")
+    args = parser.parse_args()
+    if args.runs < 1 or args.size_mib < 1:
+        parser.error("--runs and --size-mib must be at least 1")
+    if shutil.which("curl") is None:
+        print("curl is not installed (scripts/bootstrap installs it)", file=sys.stderr)
+        return 1
+    size = args.size_mib * MIB
+    work = tempfile.mkdtemp(prefix="cc-bench-egress-")
+    try:
+        payload = os.path.join(work, "payload")
+        served_sha = make_payload(payload, size)
+        with upstream(payload) as port, session_proxies() as proxies:
+            big = f"http://127.0.0.1:{port}/big"
+            config = os.path.join(work, "small.curl")
+            with open(config, "w") as out:
+                out.write(f'url = "http://127.0.0.1:{port}/small"\noutput = "/dev/null"\n'
+                          * SMALL_REQUESTS)
+            connect = ["-p", "-x", f"http://127.0.0.1:{proxies.http_port}"]
+            socks = ["--socks5", f"127.0.0.1:{proxies.socks_port}"]
+            forward = ["-x", f"http://127.0.0.1:{proxies.http_port}"]
+            cases: list[tuple[str, Callable[[], float]]] = [
+                ("download direct", lambda: download(big, [], size)),
+                ("download CONNECT", lambda: download(big, connect, size)),
+                ("download SOCKS5", lambda: download(big, socks, size)),
+                ("small direct", lambda: small_requests(config, [])),
+                ("small via proxy", lambda: small_requests(config, forward)),
+            ]
+            samples: dict[str, list[float]] = {name: [] for name, _ in cases}
+            for round_ in range(args.runs + 1):  # round 0 is the warm-up
+                start = round_ % len(cases)
+                for name, run in cases[start:] + cases[:start]:
+                    value = run()
+                    if round_:
+                        samples[name].append(value)
+            soak = run_soak(f"{big}?nolen", big, connect, size, served_sha) if args.soak else None
+            refusals = list(proxies.refusals)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {name: statistics.median(values) for name, values in samples.items()}
+    print(f"egress bench: {args.size_mib} MiB download, {SMALL_REQUESTS} x {SMALL_BYTES} B "
+          f"requests; median of {args.runs} run(s) after one warm-up round, order rotated per "
+          "round")
+    print("client: curl (one process per download, one per 500 requests); upstream: threaded "
+          "sendfile server (child process); proxies: in-process asyncio loop (own thread)")
+    print(f"{'case':<18}{'median':>14}{'min..max':>20}{'x direct':>10}")
+    for name in ("download direct", "download CONNECT", "download SOCKS5"):
+        lo, hi = min(samples[name]), max(samples[name])
+        print(f"{name:<18}{mb(med[name]) + ' MB/s':>14}{mb(lo) + '..' + mb(hi) + ' MB/s':>20}"
+              f"{med[name] / med['download direct']:>10.2f}")
+    for name in ("small direct", "small via proxy"):
+        lo, hi = min(samples[name]), max(samples[name])
+        print(f"{name:<18}{med[name] * 1000:>11.0f} ms{f'{lo * 1000:.0f}..{hi * 1000:.0f} ms':>20}"
+              f"{med[name] / med['small direct']:>10.2f}"
+              f"   ({med[name] / SMALL_REQUESTS * 1000:.2f} ms/request)")
+    tunnel = med["download CONNECT"] / med["download direct"]
+    socks5 = med["download SOCKS5"] / med["download direct"]
+    print(f"targets: CONNECT tunnel {tunnel:.2f}x direct (target >= {TARGET_RATIO}: "
+          f"{'met' if tunnel >= TARGET_RATIO else 'MISSED'}); SOCKS5 {socks5:.2f}x direct "
+          f"(target >= {TARGET_RATIO}: {'met' if socks5 >= TARGET_RATIO else 'MISSED'}); "
+          f"small requests via proxy take {med['small via proxy'] / med['small direct']:.2f}x "
+          "the direct time (no target)")
+    if refusals:
+        print(f"unexpected refusals: {len(refusals)}, first: {refusals[0].raw}")
+    if soak is None:
+        return 0
+    ok, failures, elapsed, rates = soak
+    print(f"soak: {SOAK_TRANSFERS} x {args.size_mib} MiB back to back through the CONNECT tunnel "
+          "(alternately EOF-delimited and Content-Length), each sha256 compared with the served "
+          f"file's: {ok} ok, {len(failures)} failed, total {elapsed:.1f} s "
+          f"(median {mb(statistics.median(rates))} MB/s a transfer, hashing included); "
+          f"target {SOAK_TRANSFERS}/{SOAK_TRANSFERS}: "
+          f"{'met' if not failures else 'MISSED'}")
+    for failure in failures[:5]:
+        print(f"  failed: {failure}")
+    return 1 if failures else 0
+
+
+def run_soak(
+    nolen: str, framed: str, connect: list[str], size: int, served_sha: str
+) -> tuple[int, list[str], float, list[float]]:
+    """SOAK_TRANSFERS verified downloads: (ok count, failure descriptions, seconds, rates)."""
+    ok = 0
+    failures: list[str] = []
+    rates: list[float] = []
+    start = time.perf_counter()
+    for i in range(SOAK_TRANSFERS):
+        url = nolen if i % 2 == 0 else framed
+        began = time.perf_counter()
+        got, sha, status, err = hashed_download(url, connect)
+        rates.append(got / (time.perf_counter() - began))
+        if status == 0 and got == size and sha == served_sha:
+            ok += 1
+        else:
+            failures.append(f"#{i} {url}: curl exit {status}, {got} of {size} bytes, "
+                            f"sha256 {'matches' if sha == served_sha else 'differs'} {err!r}")
+    return ok, failures, time.perf_counter() - start, rates
+
+
+if __name__ == "__main__":
+    sys.exit(main())
