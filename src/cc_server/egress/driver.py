@@ -1,0 +1,696 @@
+"""The asyncio driver of a session's egress proxies: the only I/O in `cc_server.egress`.
+
+One HTTP proxy and one SOCKS5 proxy per session, never shared: TCP listeners on 127.0.0.1 with
+ephemeral ports, and optionally the same proxies on two Unix sockets in a private directory (the
+sandbox's bridge). Each client connection runs one handshake machine (`http_machine`,
+`socks_machine`) through the loop in `proto`'s docstring, then hands both sockets to
+`relay.relay` (splice on the event loop; see that module for why).
+
+On `CheckEgress` the driver asks the session's `Allowlist`, and then guards beyond the peers:
+
+- an IP literal that is a forbidden address (`addresses.forbidden_reason`: loopback, private,
+  link-local, metadata, ... in every spelling) is refused unless that address is itself on the
+  allowlist (an `IpLiteralPattern` rule);
+- a name is resolved once; if any answer is forbidden (and not itself allowlisted as a literal)
+  or on the deny list, the connection is refused. Otherwise the driver dials exactly the checked
+  answers, in order, and never resolves again, so DNS rebinding gains nothing. A name that does
+  not resolve is an upstream failure (502, SOCKS 0x04), not a violation.
+
+Every refusal is written in-protocol (HTTP 403, SOCKS 0x02) and reported once through
+`ProxyParams.on_refused`.
+
+Bounds (`ProxyLimits`): the whole handshake, from accept to `StartRelay`, has one deadline
+(reads, writes, resolution and dialling; each connection attempt is further bounded by the connect
+timeout, and an attempt cut short by the deadline is answered as unreachable); a relay with no
+byte either way for the idle timeout is closed; a session holds at most ``max_connections``
+client connections, and a client over the limit is closed at once.
+
+Concurrency: a session's listeners and client handlers are tasks in one `asyncio.TaskGroup`,
+and each tunnel's two directions are tasks in a TaskGroup of its own (in `relay`). The session's
+group lives in one named supervisor task that `SessionProxies` holds and `aclose()` cancels and
+awaits: `start_session_proxies` must return while the group keeps running, and a TaskGroup cannot
+be entered in one task and left in another. That task is the only one created outside a
+TaskGroup. An exception in one connection is logged at debug level (logger ``cc_server.egress``)
+and never reaches another connection or a listener.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import ipaddress
+import logging
+import os
+import socket
+import stat
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final, Literal, TypeAlias
+
+from cc_server.egress.addresses import IPAddress, forbidden_reason
+from cc_server.egress.http_machine import HttpProxyMachine
+from cc_server.egress.patterns import (
+    Allowlist,
+    Decision,
+    InvalidHostName,
+    IpLiteralPattern,
+    parse_host,
+)
+from cc_server.egress.proto import (
+    NEED_DATA,
+    UPSTREAM_REFUSED,
+    UPSTREAM_UNREACHABLE,
+    CheckEgress,
+    HandshakeMachine,
+    OpenUpstream,
+    ProtocolRefused,
+    SendToClient,
+    StartRelay,
+)
+from cc_server.egress.relay import relay
+from cc_server.egress.socks_machine import Socks5Machine
+from cc_server.errors import EnforcementFailed
+
+__all__ = [
+    "EgressRefused",
+    "ProxyLimits",
+    "ProxyParams",
+    "Resolver",
+    "SessionProxies",
+    "open_session_proxies",
+    "start_session_proxies",
+]
+
+log = logging.getLogger("cc_server.egress")
+
+Protocol: TypeAlias = Literal["http", "socks5"]
+
+HTTP_SOCKET_NAME: Final = "http.sock"
+SOCKS_SOCKET_NAME: Final = "socks.sock"
+# Pending connections per listener; a sandbox opens a few at a time, max_connections bounds the
+# rest.
+LISTEN_BACKLOG: Final = 128
+# One read from a client during the handshake. A request head is at most MAX_HEADER_BYTES
+# (16 KiB); a machine buffers its limit plus one read.
+HANDSHAKE_READ_BYTES: Final = 16 * 1024
+# After a refusal: time to write the reply and let the client read it before closing. Closing
+# while the client's unread bytes (a request body) are queued would send a reset that can destroy
+# the reply in flight, so the driver half-closes and discards up to REFUSAL_DRAIN_BYTES first.
+REFUSAL_GRACE_S: Final = 1.0
+REFUSAL_DRAIN_BYTES: Final = 256 * 1024
+# accept() failed (out of descriptors): wait this long before trying again, instead of spinning.
+ACCEPT_BACKOFF_S: Final = 0.1
+# sun_path is 108 bytes on Linux, including the terminating NUL.
+MAX_UNIX_PATH_BYTES: Final = 107
+
+_UNREACHABLE_ERRNOS: Final = frozenset(
+    {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.ENETDOWN}
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EgressRefused:
+    """One refusal, reported to the session (the runtime turns it into a SandboxViolation)."""
+
+    host: str
+    """The target: the canonical name or address asked for (the client's spelling if invalid)."""
+    port: int
+    """The target port."""
+    reason: str
+    """Why, in one sentence (also in the HTTP 403 body)."""
+    suggested_capability: str | None
+    """The capability that would have allowed it, from `ProxyParams.suggest`."""
+    protocol: Literal["http", "socks5"]
+    """Which proxy refused."""
+    raw: str
+    """One log line with the details."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyLimits:
+    """Bounds on every wait and on the number of connections."""
+
+    handshake_timeout_s: float = 10.0
+    """The whole handshake, from accept to StartRelay (reads, writes, resolution, dialling)."""
+    connect_timeout_s: float = 10.0
+    """One connection attempt to one upstream address."""
+    idle_timeout_s: float = 300.0
+    """A relay with no bytes either way for this long is closed."""
+    max_connections: int = 256
+    """Client connections per session; over it, new clients are closed at once."""
+
+
+Resolver: TypeAlias = Callable[[str, int], Awaitable[list[IPAddress]]]
+"""Name, port -> addresses, in the order to dial them."""
+
+
+def _never_suggest(host: str) -> str | None:
+    return None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProxyParams:
+    """What one session's proxies need."""
+
+    session_id: str
+    """For task names and log lines."""
+    allowlist: Allowlist
+    """The session's egress allowlist (its deny list wins)."""
+    on_refused: Callable[[EgressRefused], None]
+    """Called once per refusal, on the event loop; exceptions are logged and ignored."""
+    suggest: Callable[[str], str | None] = _never_suggest
+    """The capability that would have allowed a refused host (by its canonical name)."""
+    socket_dir: str | None = None
+    """If set, also listen on Unix sockets `http.sock` and `socks.sock` in this directory, which
+    must be ours and mode 0700; the sockets are created 0600 and removed by aclose()."""
+    resolver: Resolver | None = None
+    """Name resolution; None: the loop's getaddrinfo (SOCK_STREAM)."""
+    limits: ProxyLimits = ProxyLimits()
+    """Timeouts and the connection limit."""
+
+
+async def system_resolver(host: str, port: int) -> list[IPAddress]:
+    """The loop's getaddrinfo (stream sockets), as addresses in the order it returned them.
+
+    Raises:
+        OSError: socket.gaierror when the name does not resolve.
+    """
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return [
+        ipaddress.ip_address(info[4][0])
+        for info in infos
+        if info[0] in (socket.AF_INET, socket.AF_INET6) and isinstance(info[4][0], str)
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class _Allowed:
+    addresses: tuple[IPAddress, ...]  # checked; dial these in order and nothing else
+
+
+@dataclass(frozen=True, slots=True)
+class _Refused:
+    host: str
+    reason: str
+    how_to_allow: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Unresolved:
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Listener:
+    sock: socket.socket
+    protocol: Protocol
+    where: str  # "tcp" or the socket path
+    identity: tuple[int, int] | None  # (st_dev, st_ino) of a Unix socket file we created
+
+
+class SessionProxies:
+    """One HTTP and one SOCKS5 proxy for one session; never shared.
+
+    Made by `start_session_proxies` or `open_session_proxies`.
+    """
+
+    http_port: int
+    """The HTTP proxy's TCP port on 127.0.0.1."""
+    socks_port: int
+    """The SOCKS5 proxy's TCP port on 127.0.0.1."""
+    http_socket: str | None
+    """The HTTP proxy's Unix socket, when ProxyParams.socket_dir was set."""
+    socks_socket: str | None
+    """The SOCKS5 proxy's Unix socket, when ProxyParams.socket_dir was set."""
+
+    def __init__(self, params: ProxyParams, listeners: list[_Listener]) -> None:
+        self._params = params
+        self._listeners = listeners
+        self._deny_only = Allowlist(patterns=(), denied=params.allowlist.denied)
+        self._resolver: Resolver = params.resolver or system_resolver
+        by_kind = {(lst.protocol, lst.identity is None): lst for lst in listeners}
+        self.http_port = by_kind["http", True].sock.getsockname()[1]
+        self.socks_port = by_kind["socks5", True].sock.getsockname()[1]
+        unix_http = by_kind.get(("http", False))
+        unix_socks = by_kind.get(("socks5", False))
+        self.http_socket = unix_http.where if unix_http else None
+        self.socks_socket = unix_socks.where if unix_socks else None
+        self._active = 0
+        self._served = 0
+        self._released = False
+        self._supervisor = asyncio.get_running_loop().create_task(
+            self._supervise(), name=f"egress {params.session_id} proxies"
+        )
+        # However the supervisor ends (even cancelled before it ran), the listeners are closed
+        # once no accept is pending on them any more.
+        self._supervisor.add_done_callback(lambda _: self._release())
+
+    @property
+    def active_connections(self) -> int:
+        """Client connections open now (handshaking or relaying)."""
+        return self._active
+
+    async def aclose(self) -> None:
+        """Close the listeners and every connection, and remove the socket files. Idempotent.
+
+        If the caller is cancelled while waiting, the closing still completes on the loop.
+        """
+        self._supervisor.cancel()
+        await asyncio.wait([self._supervisor])
+        self._release()
+
+    # The session's task group.
+
+    async def _supervise(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            for listener in self._listeners:
+                tg.create_task(
+                    self._accept(listener, tg),
+                    name=f"egress {self._params.session_id} accept {listener.protocol} "
+                    f"{listener.where}",
+                )
+
+    async def _accept(self, listener: _Listener, tg: asyncio.TaskGroup) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self._params.limits.max_connections
+        while True:
+            try:
+                client, _ = await loop.sock_accept(listener.sock)
+            except OSError as exc:
+                log.debug("egress %s: accept failed: %s", self._params.session_id, exc)
+                await asyncio.sleep(ACCEPT_BACKOFF_S)
+                continue
+            if self._active >= limit:
+                log.debug(
+                    "egress %s: %d connections open (the limit); closing a new %s client",
+                    self._params.session_id,
+                    self._active,
+                    listener.protocol,
+                )
+                client.close()
+                continue
+            client.setblocking(False)
+            self._served += 1
+            self._active += 1
+            try:
+                tg.create_task(
+                    self._serve(client, listener.protocol, self._served),
+                    name=f"egress {self._params.session_id} {listener.protocol} #{self._served}",
+                )
+            except BaseException:
+                self._active -= 1
+                client.close()
+                raise
+
+    async def _serve(self, client: socket.socket, protocol: Protocol, number: int) -> None:
+        label = f"egress {self._params.session_id} {protocol} #{number}"
+        try:
+            await _Connection(self, client, protocol, label).run()
+        except Exception:
+            log.debug("%s: failed", label, exc_info=True)
+        finally:
+            self._active -= 1
+            client.close()
+
+    def _release(self) -> None:
+        """Close the listeners and remove our socket files (only once no accept is pending)."""
+        if self._released:
+            return
+        self._released = True
+        for listener in self._listeners:
+            listener.sock.close()
+            if listener.identity is not None:
+                _remove_socket_file(listener.where, listener.identity)
+
+    # The guard beyond the peers.
+
+    def _forbidden(self, address: IPAddress) -> str | None:
+        """Why the proxy must not dial `address`, or None."""
+        listed = self._params.allowlist.allows(address)
+        if (
+            listed.allowed
+            and listed.rule is not None
+            and isinstance(listed.rule.pattern, IpLiteralPattern)
+        ):
+            return None  # the address itself is on the allowlist (and not on the deny list)
+        denied = self._deny_only.allows(address)
+        if denied.rule is not None:
+            return f"denied address ({denied.reason})"
+        why = forbidden_reason(address)
+        return None if why is None else f"{why} address"
+
+
+class _Connection:
+    """One client connection: the handshake, then the relay."""
+
+    def __init__(
+        self, proxies: SessionProxies, client: socket.socket, protocol: Protocol, label: str
+    ) -> None:
+        self._proxies = proxies
+        self._params = proxies._params
+        self._client = client
+        self._protocol: Protocol = protocol
+        self._label = label
+        self._loop = asyncio.get_running_loop()
+        self._deadline = self._loop.time() + self._params.limits.handshake_timeout_s
+        if client.family in (socket.AF_INET, socket.AF_INET6):
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    async def run(self) -> None:
+        machine: HandshakeMachine = (
+            HttpProxyMachine() if self._protocol == "http" else Socks5Machine()
+        )
+        upstream: socket.socket | None = None
+        addresses: tuple[IPAddress, ...] = ()
+        try:
+            while True:
+                event = machine.next_event()
+                if event is NEED_DATA:
+                    machine.receive_data(await self._recv())
+                elif isinstance(event, SendToClient):
+                    await self._send(event.data)
+                elif isinstance(event, CheckEgress):
+                    verdict = await self._check(event)
+                    if isinstance(verdict, _Refused):
+                        how_to_allow = self._report(event, verdict)
+                        reply = machine.decide(False, verdict.reason, how_to_allow)
+                        return await self._close_with(reply)
+                    await self._send(machine.decide(True))
+                    if isinstance(verdict, _Unresolved):
+                        open_event = machine.next_event()
+                        assert isinstance(open_event, OpenUpstream)
+                        log.debug("%s: %s: %s", self._label, event.host, verdict.error)
+                        return await self._close_with(
+                            machine.upstream_result(False, UPSTREAM_UNREACHABLE)
+                        )
+                    addresses = verdict.addresses
+                elif isinstance(event, OpenUpstream):
+                    upstream, error = await self._dial(addresses, event.port)
+                    reply = machine.upstream_result(upstream is not None, error)
+                    if upstream is None:
+                        log.debug("%s: %s:%d: %s", self._label, event.host, event.port, error)
+                        return await self._close_with(reply)
+                    await self._send(reply)
+                elif isinstance(event, StartRelay):
+                    assert upstream is not None
+                    result = await relay(
+                        self._client,
+                        upstream,
+                        to_upstream=event.to_upstream,
+                        to_client=event.to_client,
+                        idle_timeout_s=self._params.limits.idle_timeout_s,
+                        name=self._label,
+                    )
+                    log.debug(
+                        "%s: relay %s (%d bytes up, %d down) %s",
+                        self._label,
+                        result.outcome.value,
+                        result.to_upstream_bytes,
+                        result.to_client_bytes,
+                        result.error,
+                    )
+                    return
+                else:
+                    assert isinstance(event, ProtocolRefused)
+                    log.debug("%s: refused: %s", self._label, event.reason)
+                    return await self._close_with(event.reply)
+        except TimeoutError:
+            log.debug("%s: handshake timed out", self._label)
+        finally:
+            if upstream is not None:
+                upstream.close()
+
+    # Client I/O during the handshake, bounded by its deadline.
+
+    async def _recv(self) -> bytes:
+        async with asyncio.timeout_at(self._deadline):
+            return await self._loop.sock_recv(self._client, HANDSHAKE_READ_BYTES)
+
+    async def _send(self, data: bytes) -> None:
+        if data:
+            async with asyncio.timeout_at(self._deadline):
+                await self._loop.sock_sendall(self._client, data)
+
+    async def _close_with(self, reply: bytes) -> None:
+        """Write a final reply, half-close, and let the client read it before the close."""
+        with contextlib.suppress(OSError, TimeoutError):
+            async with asyncio.timeout(REFUSAL_GRACE_S):
+                if reply:
+                    await self._loop.sock_sendall(self._client, reply)
+                self._client.shutdown(socket.SHUT_WR)
+                drained = 0
+                while drained < REFUSAL_DRAIN_BYTES:
+                    chunk = await self._loop.sock_recv(self._client, HANDSHAKE_READ_BYTES)
+                    if not chunk:
+                        break
+                    drained += len(chunk)
+
+    # The allowlist, the address guard and the dial.
+
+    async def _check(self, event: CheckEgress) -> _Allowed | _Refused | _Unresolved:
+        decision = self._params.allowlist.allows(event.host)
+        if not decision.allowed:
+            return _denied(decision)
+        try:
+            target = parse_host(event.host)
+        except InvalidHostName as exc:  # allows() refused these already; kept for safety
+            return _Refused(event.host, str(exc), "nothing: this is not a valid host name")
+        if not isinstance(target, str):
+            why = self._proxies._forbidden(target)
+            if why is not None:
+                return _Refused(
+                    str(target),
+                    f"{target} is a {why}; egress reaches such an address only when that "
+                    "address itself is on the allowlist",
+                    _advice(str(target)),
+                )
+            return _Allowed((target,))
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                answers = await self._proxies._resolver(target, event.port)
+        except Exception as exc:  # any resolver failure is an upstream failure
+            return _Unresolved(f"cannot resolve {target}: {exc or type(exc).__name__}")
+        unique = tuple(dict.fromkeys(answers))
+        if not unique:
+            return _Unresolved(f"{target} has no addresses")
+        for address in unique:
+            why = self._proxies._forbidden(address)
+            if why is not None:
+                return _Refused(
+                    target,
+                    f"{target} resolves to {address}, a {why}; egress reaches such an address "
+                    "only when that address itself is on the allowlist",
+                    _advice(str(address)),
+                )
+        return _Allowed(unique)
+
+    async def _dial(
+        self, addresses: tuple[IPAddress, ...], port: int
+    ) -> tuple[socket.socket | None, str]:
+        """Connect to the first checked address that answers; (None, error kind) if none."""
+        error = UPSTREAM_UNREACHABLE
+        for address in addresses:
+            remaining = self._deadline - self._loop.time()
+            if remaining <= 0:
+                return None, UPSTREAM_UNREACHABLE
+            family = socket.AF_INET if address.version == 4 else socket.AF_INET6
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            connected = False
+            try:
+                sock.setblocking(False)
+                async with asyncio.timeout(min(self._params.limits.connect_timeout_s, remaining)):
+                    await self._loop.sock_connect(sock, (str(address), port))
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                connected = True
+                return sock, ""
+            except ConnectionRefusedError:
+                error = UPSTREAM_REFUSED
+            except TimeoutError:
+                error = UPSTREAM_UNREACHABLE
+            except OSError as exc:
+                error = (
+                    UPSTREAM_UNREACHABLE
+                    if exc.errno in _UNREACHABLE_ERRNOS
+                    else f"connect to {address} failed: {exc.strerror or exc}"
+                )
+            finally:
+                if not connected:
+                    sock.close()
+        return None, error
+
+    def _report(self, event: CheckEgress, refused: _Refused) -> str:
+        """Report a refusal through on_refused; return the advice for the client's reply."""
+        params = self._params
+        capability = _suggest(params, refused.host)
+        how_to_allow = refused.how_to_allow
+        if capability is not None:
+            how_to_allow += f"; or give the agent the {capability} capability"
+        raw = (
+            f"egress refused: session={params.session_id} protocol={self._protocol} "
+            f"kind={event.kind} target={event.host}:{event.port} host={refused.host} "
+            f"reason={refused.reason}"
+        )
+        raw = " ".join(raw.split())  # one line, whatever the reason says
+        log.debug("%s: %s", self._label, raw)
+        refusal = EgressRefused(
+            host=refused.host,
+            port=event.port,
+            reason=refused.reason,
+            suggested_capability=capability,
+            protocol=self._protocol,
+            raw=raw,
+        )
+        try:
+            params.on_refused(refusal)
+        except Exception:
+            log.debug("%s: on_refused failed", self._label, exc_info=True)
+        return how_to_allow
+
+
+def _denied(decision: Decision) -> _Refused:
+    if decision.rule is not None:  # the deny list matched: no allowlist entry can help
+        return _Refused(
+            decision.host,
+            decision.reason,
+            "nothing: the deny list wins over every allowlist entry",
+        )
+    return _Refused(decision.host, decision.reason, _advice(decision.host))
+
+
+def _advice(host: str) -> str:
+    return (
+        f"ask the operator to add {host} to the session's egressAllowlist "
+        f"(cc-server run --allow-domain {host})"
+    )
+
+
+def _suggest(params: ProxyParams, host: str) -> str | None:
+    try:
+        return params.suggest(host)
+    except Exception:
+        log.debug("egress %s: suggest(%r) failed", params.session_id, host, exc_info=True)
+        return None
+
+
+async def start_session_proxies(params: ProxyParams) -> SessionProxies:
+    """Start a session's proxies; the caller must `aclose()` them.
+
+    Raises:
+        EnforcementFailed: socket_dir is not a directory owned by us with mode 0700, a socket
+            path exists already or is too long, or a listener could not be bound.
+    """
+    listeners: list[_Listener] = []
+    try:
+        kinds: tuple[tuple[Protocol, str], ...] = (
+            ("http", HTTP_SOCKET_NAME),
+            ("socks5", SOCKS_SOCKET_NAME),
+        )
+        for protocol, _ in kinds:
+            listeners.append(_Listener(_bind_tcp(), protocol, "tcp", None))
+        if params.socket_dir is not None:
+            directory = params.socket_dir
+            _check_socket_dir(directory)
+            for protocol, name in kinds:
+                path = os.path.join(directory, name)
+                sock, identity = _bind_unix(path)
+                listeners.append(_Listener(sock, protocol, path, identity))
+        return SessionProxies(params, listeners)
+    except BaseException:
+        for listener in listeners:
+            listener.sock.close()
+            if listener.identity is not None:
+                _remove_socket_file(listener.where, listener.identity)
+        raise
+
+
+@contextlib.asynccontextmanager
+async def open_session_proxies(params: ProxyParams) -> AsyncIterator[SessionProxies]:
+    """A session's proxies for the duration of the block; closed (and socket files removed) on
+    exit, however the block ends.
+
+    Raises:
+        EnforcementFailed: as `start_session_proxies`.
+    """
+    proxies = await start_session_proxies(params)
+    try:
+        yield proxies
+    finally:
+        await proxies.aclose()
+
+
+def _bind_tcp() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise EnforcementFailed(f"cannot listen on 127.0.0.1 for the egress proxy: {exc}") from exc
+    return sock
+
+
+def _check_socket_dir(directory: str) -> None:
+    """The bridge directory must be a real directory, ours, and closed to everyone else."""
+    try:
+        info = os.lstat(directory)
+    except OSError as exc:
+        raise EnforcementFailed(
+            f"egress socket directory {directory} is not usable: {exc}",
+            fix="create it with mode 0700 before starting the proxies",
+        ) from exc
+    if not stat.S_ISDIR(info.st_mode):
+        raise EnforcementFailed(
+            f"egress socket directory {directory} is not a directory (or is a symlink)"
+        )
+    if info.st_uid != os.geteuid():
+        raise EnforcementFailed(
+            f"egress socket directory {directory} belongs to uid {info.st_uid}, "
+            f"not to this process (uid {os.geteuid()})"
+        )
+    mode = stat.S_IMODE(info.st_mode)
+    if mode != 0o700:
+        raise EnforcementFailed(
+            f"egress socket directory {directory} has mode {mode:04o}, not 0700",
+            fix=f"chmod 0700 {directory}",
+        )
+
+
+def _bind_unix(path: str) -> tuple[socket.socket, tuple[int, int]]:
+    """Listen on a new Unix socket at `path`, mode 0600; return it and its file's identity."""
+    if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
+        raise EnforcementFailed(
+            f"egress socket path {path} is longer than {MAX_UNIX_PATH_BYTES} bytes",
+            fix="use a shorter socket directory",
+        )
+    if os.path.lexists(path):
+        raise EnforcementFailed(
+            f"egress socket {path} exists already",
+            fix="remove what a previous server left there, or use a new directory",
+        )
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        # The umask is the process's, so this is the one place it changes: bind() creates the
+        # file 0600 from the start (the directory is 0700 as well, so nobody else could reach
+        # the file in between anyway).
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(path)
+        finally:
+            os.umask(old_umask)
+        info = os.lstat(path)
+        sock.listen(LISTEN_BACKLOG)
+        sock.setblocking(False)
+    except OSError as exc:
+        sock.close()
+        raise EnforcementFailed(f"cannot listen on {path} for the egress proxy: {exc}") from exc
+    return sock, (info.st_dev, info.st_ino)
+
+
+def _remove_socket_file(path: str, identity: tuple[int, int]) -> None:
+    """Remove the socket file we created, and nothing that has replaced it since."""
+    with contextlib.suppress(OSError):
+        info = os.lstat(path)
+        if (info.st_dev, info.st_ino) == identity:
+            os.unlink(path)
