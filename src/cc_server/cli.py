@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cc_server.backends.plan import Command, LaunchPlan
+from cc_server.backends.plan import Command, EgressBridge, LaunchPlan
 from cc_server.backends.probe import ProbeResult, probe
 from cc_server.backends.runner import run_attached
 from cc_server.errors import BadSpec, CcServerError
@@ -27,6 +27,9 @@ __all__ = ["main"]
 
 # Ordinary variables `run` passes through from the caller; never tokens, keys or passwords.
 PASSTHROUGH_ENV = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
+CAPABILITIES = ("canUseNetwork", "canCallGitHubApi", "canPush", "canCallTicketing")
+# Shown by `plan` where `run` puts the session's private proxy socket directory.
+PLAN_SOCKET_DIR = "<session socket dir>"
 EXIT_USAGE = 2
 EXIT_REFUSED = 125  # like `env`/`timeout`: the command itself never ran
 
@@ -70,7 +73,12 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workdir", help="working directory inside the sandbox")
     p.add_argument("--deny-create", action="append", default=[], metavar="GLOB",
                    help="refuse creating files whose name matches GLOB (repeatable)")
-    p.add_argument("--no-network", action="store_true", help="networkEnabled: false")
+    p.add_argument("--no-network", action="store_true",
+                   help="networkEnabled: false (the proxies still start and refuse everything)")
+    p.add_argument("--allow-domain", action="append", default=[], metavar="PATTERN",
+                   help="add to the session's egress allowlist: host, *.domain, a.*.b (repeatable)")
+    p.add_argument("--capability", action="append", default=[], choices=CAPABILITIES,
+                   help="grant an agent capability (repeatable)")
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
                    help="set a variable for the command (repeatable)")
     p.add_argument("--spec", metavar="FILE", help="a SandboxSpec JSON file; options add to it")
@@ -115,6 +123,10 @@ def _spec(args: argparse.Namespace) -> SandboxSpec:
         data["guestWorkdir"] = os.path.abspath(args.workdir)
     if args.no_network:
         data["networkEnabled"] = False
+    data["egressAllowlist"] = [*data.get("egressAllowlist", []), *args.allow_domain]
+    if args.capability:
+        data["capabilities"] = {**data.get("capabilities", {}),
+                                **{name: True for name in args.capability}}
     return parse_spec(data)
 
 
@@ -134,13 +146,25 @@ def _env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def _plan(args: argparse.Namespace, result: ProbeResult) -> LaunchPlan:
-    """Compile, choose and plan exactly as the library does, without an event loop."""
-    host = HostFacts.current()
+def _backend(args: argparse.Namespace, result: ProbeResult) -> SandboxBackend:
     requested = SandboxBackend(args.backend) if args.backend else None
-    backend = choose_backend(result, requested, sandbox_on=True)
-    policy = compile_policy(_spec(args), host, deny_create_globs=args.deny_create)
-    command = Command(argv=tuple(_command(args)), env=tuple(sorted(_env(args).items())))
+    return choose_backend(result, requested, sandbox_on=True)
+
+
+def _plan(args: argparse.Namespace, result: ProbeResult) -> LaunchPlan:
+    """Compile, choose and plan exactly as the library does, without an event loop or proxies."""
+    host = HostFacts.current()
+    backend = _backend(args, result)
+    spec = _spec(args)
+    policy = compile_policy(spec, host, deny_create_globs=args.deny_create)
+    bridge = None
+    if backend is SandboxBackend.NATIVE and result.mechanism == "bubblewrap":
+        from cc_server.egress.resolver import allowlist_for  # lazy import: name tables
+
+        allowlist_for(spec)  # a malformed allowlist entry fails here, as it would in `run`
+        bridge = EgressBridge(socket_dir=PLAN_SOCKET_DIR)
+    command = Command(argv=tuple(_command(args)), env=tuple(sorted(_env(args).items())),
+                      egress=bridge)
     return planner_for(backend, result, host)(policy, command)
 
 
@@ -169,19 +193,22 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if args.events is None and args.timeout is None:
-        return run_attached(_plan(args, probe()))
-    import asyncio  # lazy import (only the streaming path needs the event loop)
+    result = probe()
+    if args.events is None and args.timeout is None and _backend(args, result) is not (
+        SandboxBackend.NATIVE
+    ):
+        return run_attached(_plan(args, result))  # no proxies to run: no event loop needed
+    import asyncio  # lazy import (the proxies and the event streams need the event loop)
 
-    return asyncio.run(_run_streaming(args))
+    return asyncio.run(_run_streaming(args, result))
 
 
-async def _run_streaming(args: argparse.Namespace) -> int:
+async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
     # Lazy imports: only the streaming path pays for the runtime and its event loop.
     from cc_server.runtime.events import EventType
     from cc_server.runtime.port import SandboxManager
 
-    manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
+    manager = SandboxManager(probe_result=result, host=HostFacts.current())
     requested = SandboxBackend(args.backend) if args.backend else None
     handle = manager.launch(_spec(args), backend=requested, deny_create_globs=args.deny_create)
     stream = args.events == "json"
@@ -196,7 +223,9 @@ async def _run_streaming(args: argparse.Namespace) -> int:
                 elif event.type is EventType.KILLED:
                     print(f"cc-server: command killed ({event.reason})", file=sys.stderr)
         for violation in handle.violations:
-            print(f"cc-server: violation: {violation.action} {violation.target}",
+            hint = (f" (capability {violation.suggested_capability} would allow it)"
+                    if violation.suggested_capability else "")
+            print(f"cc-server: violation: {violation.action} {violation.target}{hint}",
                   file=sys.stderr)
         return await execution.wait()
     finally:

@@ -230,7 +230,7 @@ def test_plan_json_parses_and_runs_nothing(env: dict[str, str], work: pathlib.Pa
     plan = json.loads(proc.stdout)
     assert plan["backend"] == "native"
     assert "--unshare-net" in plan["argv"] and "--seccomp" in plan["argv"]
-    assert plan["argv"][-3:] == ["--", "touch", str(marker)]
+    assert plan["argv"][-2:] == ["touch", str(marker)]  # after the egress bridge's prologue
     assert "GITHUB_TOKEN" not in plan["env"]
     assert plan["env"]["HOME"] == env["HOME"]
     assert not marker.exists()
@@ -256,3 +256,39 @@ def test_probe_text(env: dict[str, str]) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "available: yes" in proc.stdout
     assert "mechanism: bubblewrap" in proc.stdout
+
+
+# --- egress options --------------------------------------------------------------------------
+
+
+def test_plan_shows_the_egress_bridge_and_proxy_environment(env: dict[str, str]) -> None:
+    result = cli("plan", "--json", "--", "true", env=env)
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert "/run/cc-egress" in plan["argv"]
+    assert plan["env"]["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+    assert plan["env"]["ALL_PROXY"] == "socks5h://127.0.0.1:1080"
+
+
+def test_a_malformed_allow_domain_is_a_usage_error(env: dict[str, str]) -> None:
+    result = cli("run", "--allow-domain", "*.*.example.com", "--", "true", env=env)
+    assert result.returncode == 2, result.stderr
+    assert "egressAllowlist[0]" in result.stderr
+
+
+def test_no_network_refuses_in_protocol_and_reports_the_violation(env: dict[str, str]) -> None:
+    # The name is refused by the (empty) allowlist before any lookup: nothing leaves the host.
+    result = cli(
+        "run", "--no-network", "--allow-domain", "blocked.example", "--",
+        "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "http://blocked.example/",
+        env=env,
+    )
+    assert result.stdout == "403"
+    assert "violation: network-outbound blocked.example:80" in result.stderr
+
+
+def test_capability_flag_takes_the_json_names_only(env: dict[str, str]) -> None:
+    ok = cli("plan", "--capability", "canCallGitHubApi", "--", "true", env=env)
+    assert ok.returncode == 0, ok.stderr
+    bad = cli("plan", "--capability", "github", "--", "true", env=env)
+    assert bad.returncode == 2

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from cc_server.backends.egress_bridge import bridge_env
 from cc_server.backends.probe import ProbeResult, probe
 from cc_server.errors import BackendUnavailable, BadSpec
 from cc_server.policy import HostFacts, SandboxBackend, parse_spec
@@ -239,9 +240,10 @@ async def test_the_command_gets_exactly_the_env_it_was_given(manager: SandboxMan
     )
     lines = result.stdout.decode().splitlines()
     keys = {line.split("=", 1)[0] for line in lines}
-    # PATH and HOME are the planner's defaults, PWD is bwrap's --chdir; nothing else leaks from
-    # the test process.
-    assert keys == {"CC_TEST_VAR", "PATH", "HOME", "PWD"}, lines
+    # PATH and HOME are the planner's defaults, PWD is bwrap's --chdir, the proxy variables are
+    # the egress bridge's; nothing else leaks from the test process.
+    proxy = set(bridge_env())
+    assert keys == {"CC_TEST_VAR", "PATH", "HOME", "PWD", *proxy}, lines
     assert "CC_TEST_VAR=v1" in lines
     assert f"HOME={manager.host.home}" in lines
 

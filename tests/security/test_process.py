@@ -122,7 +122,9 @@ async def test_io_uring_setup_is_refused(sb: Sandboxes) -> None:
     result = await sb.run(IO_URING_SETUP)
     text = output(result)
     assert "io_uring_setup=-1 errno=1" in text, text  # EPERM from the seccomp filter
-    assert "getpid=2" in text or "getpid=3" in text, text  # PID namespace: a tiny pid
+    # PID namespace: a tiny pid (the egress bridge's listeners start first, so not always 2).
+    pid = int(text.split("getpid=")[1].split()[0])
+    assert 1 < pid < 50, text
     # Control on the host: the probe itself works, so the refusal is the filter's doing.
     host = subprocess.run(
         ["/bin/sh", "-c", IO_URING_SETUP], capture_output=True, text=True, check=True

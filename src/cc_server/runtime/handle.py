@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import os
 import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
-from cc_server.backends.plan import Command, LaunchPlan, Planner
+from cc_server.backends.plan import Command, EgressBridge, LaunchPlan, Planner
 from cc_server.backends.runner import start
 from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
@@ -27,7 +28,7 @@ from cc_server.runtime.events import (
     check_transition,
 )
 
-__all__ = ["Execution", "SandboxHandle"]
+__all__ = ["EgressPort", "Execution", "SandboxHandle"]
 
 EVENT_QUEUE_SIZE: Final = 256  # events buffered per execution before readers wait for the consumer
 READ_CHUNK_BYTES: Final = 64 * 1024  # one stdout/stderr event carries at most this much
@@ -35,6 +36,18 @@ KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to 
 # After the command exits, how long its pipes may take to reach EOF. A descendant that left the
 # process group (setsid on `none`) can hold them open forever; it must not hold the execution.
 PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
+
+
+class EgressPort(Protocol):
+    """A session's egress proxies, as the handle sees them (see runtime.egress)."""
+
+    async def start(self) -> EgressBridge:
+        """Start the proxies if needed; return the bridge to plan with."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop the proxies and remove their sockets. Idempotent."""
+        ...
 
 
 @dataclass(eq=False)
@@ -52,6 +65,7 @@ class SandboxHandle:
     error: BaseException | None = None
     details: dict[str, object] = field(default_factory=dict)
     violations: list[SandboxViolation] = field(default_factory=list)
+    egress: EgressPort | None = field(default=None, repr=False)
     _running: set[Execution] = field(default_factory=set, repr=False)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
 
@@ -129,9 +143,13 @@ class SandboxHandle:
         """Kill every running command, wait for it, and invalidate the handle. Idempotent."""
         if self.state is SandboxState.DESTROYED:
             return
-        for execution in list(self._running):
-            await execution.kill(reason="destroyed")
-        self.transition(SandboxState.DESTROYED)
+        try:
+            for execution in list(self._running):
+                await execution.kill(reason="destroyed")
+        finally:
+            if self.egress is not None:
+                await self.egress.aclose()
+            self.transition(SandboxState.DESTROYED)
 
     def to_json(self) -> dict[str, object]:
         """The spec's SandboxHandle fields, camelCase."""
@@ -185,7 +203,10 @@ class Execution:
             self._queue.put_nowait(self._event(EventType.VIOLATION, violation=violation))
 
     async def __aenter__(self) -> Execution:
-        plan = self.handle.plan(self.command)
+        command = self.command
+        if self.handle.egress is not None:  # the session's proxies, started on first use
+            command = dataclasses.replace(command, egress=await self.handle.egress.start())
+        plan = self.handle.plan(command)
         await self._queue.put(self._event(EventType.STARTING))
         pipe = asyncio.subprocess.PIPE
         stdin_mode = (

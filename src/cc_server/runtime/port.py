@@ -12,8 +12,11 @@ from typing import Protocol
 
 from cc_server.backends.plan import Command, Planner
 from cc_server.backends.probe import ProbeResult
+from cc_server.egress.driver import Resolver
+from cc_server.egress.resolver import allowlist_for, suggested_capability
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import HostFacts, Platform, SandboxBackend, SandboxSpec, compile_policy
+from cc_server.runtime.egress import SessionEgress, egress_base_dir, remove_stale_session_dirs
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.select import choose_backend, planner_for
@@ -41,11 +44,23 @@ def _launch(
     backend: SandboxBackend,
     planner: Planner,
     deny_create_globs: Iterable[str],
+    egress_base: str | None = None,
+    egress_resolver: Resolver | None = None,
 ) -> SandboxHandle:
     policy = compile_policy(spec, host, deny_create_globs=deny_create_globs)
+    allowlist = allowlist_for(spec) if egress_base is not None else None
     handle = SandboxHandle(
         session_id=spec.session_id, backend=backend, policy=policy, planner=planner
     )
+    if egress_base is not None and allowlist is not None:
+        handle.egress = SessionEgress(
+            session_id=spec.session_id,
+            allowlist=allowlist,
+            suggest=lambda host_name: suggested_capability(host_name, spec),
+            on_violation=handle.record_violation,
+            base_dir=egress_base,
+            resolver=egress_resolver,
+        )
     try:
         # A dry plan at launch: a policy the backend cannot enforce fails here, before any exec.
         handle.plan(Command(argv=("/bin/true",)))
@@ -83,6 +98,17 @@ class NativeSandboxAdapter:
     probe_result: ProbeResult
     host: HostFacts
     backend: SandboxBackend = SandboxBackend.NATIVE
+    egress_resolver: Resolver | None = None  # name lookups for the proxies (tests inject one)
+    _egress_base: str | None = field(default=None, repr=False)
+
+    def egress_base(self) -> str:
+        """The private socket directory base; on first use, what a killed server left there is
+        removed."""
+        if self._egress_base is None:
+            base = egress_base_dir()
+            remove_stale_session_dirs(base)
+            self._egress_base = base
+        return self._egress_base
 
     @property
     def available(self) -> bool:
@@ -94,14 +120,22 @@ class NativeSandboxAdapter:
     ) -> SandboxHandle:
         """Compile the spec and return a warm native handle.
 
+        On Linux the handle carries the session's egress: an HTTP and a SOCKS5 proxy, started
+        with its first command, the only way out of the sandbox's network namespace.
+
         Raises:
             BackendUnavailable: the probe found no native backend, or the policy needs rules the
                 backend cannot enforce (create-time filename globs on Linux).
-            BadSpec: the spec does not compile.
-            EnforcementFailed: the seccomp filter could not be built.
+            BadSpec: the spec does not compile (an egressAllowlist entry is malformed, a bind
+                source is missing, ...).
+            EnforcementFailed: the seccomp filter could not be built, or the private socket
+                directory is not private.
         """
         planner = planner_for(self.backend, self.probe_result, self.host)
-        return _launch(spec, self.host, self.backend, planner, deny_create_globs)
+        base = self.egress_base() if self.probe_result.mechanism == "bubblewrap" else None
+        return _launch(
+            spec, self.host, self.backend, planner, deny_create_globs, base, self.egress_resolver
+        )
 
 
 @dataclass
@@ -111,10 +145,13 @@ class SandboxManager:
     probe_result: ProbeResult
     host: HostFacts
     sandbox_on: bool = True
+    egress_resolver: Resolver | None = None  # name lookups for the proxies (tests inject one)
     handles: dict[str, SandboxHandle] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.native = NativeSandboxAdapter(probe_result=self.probe_result, host=self.host)
+        self.native = NativeSandboxAdapter(
+            probe_result=self.probe_result, host=self.host, egress_resolver=self.egress_resolver
+        )
         self.none = NoSandboxAdapter(host=self.host)
 
     def choose(self, requested: SandboxBackend | None) -> SandboxPort:

@@ -1,0 +1,181 @@
+"""A session's egress: its two proxies, the private directory their bridge sockets live in, and
+the violations they report.
+
+The proxies start with the session's first command and stop at destroy. Their Unix sockets live in
+`<base>/egress-<server pid>-<random>/`, mode 0700, under a base directory that must be ours and
+private. A server that is killed leaves its directories behind; the next SandboxManager removes
+every one whose server process is gone (`remove_stale_session_dirs`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import shutil
+import stat
+import tempfile
+from collections.abc import Callable, Mapping
+from typing import Final
+
+from cc_server.backends.plan import EgressBridge
+from cc_server.egress.driver import (
+    EgressRefused,
+    ProxyParams,
+    Resolver,
+    SessionProxies,
+    start_session_proxies,
+)
+from cc_server.egress.patterns import Allowlist
+from cc_server.errors import EnforcementFailed
+from cc_server.runtime.events import SandboxViolation
+
+__all__ = ["SessionEgress", "egress_base_dir", "remove_stale_session_dirs"]
+
+_SESSION_DIR = re.compile(r"^egress-(?P<pid>\d+)-[0-9a-f]{16}$")
+BASE_DIR_NAME: Final = "cc-server"
+
+
+def egress_base_dir(
+    environ: Mapping[str, str] = os.environ, tmp_dir: str | None = None
+) -> str:
+    """The private base directory for session sockets: `$XDG_RUNTIME_DIR/cc-server` when that is
+    set, else `<tmp>/cc-server-<uid>`. Created 0700; refused unless it is ours and private.
+
+    Raises:
+        EnforcementFailed: the directory exists but belongs to someone else or is open to others.
+    """
+    runtime = environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
+        base = os.path.join(runtime, BASE_DIR_NAME)
+    else:
+        tmp = tmp_dir if tmp_dir is not None else tempfile.gettempdir()
+        base = os.path.join(tmp, f"{BASE_DIR_NAME}-{os.geteuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(base, 0o700)
+    info = os.lstat(base)
+    if (
+        not stat.S_ISDIR(info.st_mode)
+        or info.st_uid != os.geteuid()
+        or stat.S_IMODE(info.st_mode) & 0o077
+    ):
+        raise EnforcementFailed(
+            f"{base} is not a private directory owned by this user",
+            fix=f"remove {base} (someone else may have created it) and start again",
+        )
+    return base
+
+
+def remove_stale_session_dirs(base: str) -> list[str]:
+    """Remove session directories whose server process no longer exists; return what was removed.
+
+    Only names this module creates are touched.
+    """
+    removed: list[str] = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(base):
+            match = _SESSION_DIR.match(name)
+            if match is None or _alive(int(match["pid"])):
+                continue
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed.append(name)
+    return removed
+
+
+def _host_port(host: str, port: int) -> str:
+    """`host:port`, with an IPv6 address in brackets so the two stay apart."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class SessionEgress:
+    """The egress of one session: started on first use, closed once."""
+
+    def __init__(
+        self,
+        *,
+        session_id: str,
+        allowlist: Allowlist,
+        suggest: Callable[[str], str | None],
+        on_violation: Callable[[SandboxViolation], None],
+        base_dir: str,
+        resolver: Resolver | None = None,
+    ) -> None:
+        self.session_id = session_id
+        self.allowlist = allowlist
+        self._suggest = suggest
+        self._on_violation = on_violation
+        self._base_dir = base_dir
+        self._resolver = resolver
+        self._dir: str | None = None
+        self._proxies: SessionProxies | None = None
+        self._closed = False
+
+    @property
+    def proxies(self) -> SessionProxies | None:
+        """The running proxies, once started."""
+        return self._proxies
+
+    def _refused(self, refusal: EgressRefused) -> None:
+        self._on_violation(
+            SandboxViolation(
+                action="network-outbound",
+                target=_host_port(refusal.host, refusal.port),
+                suggested_capability=refusal.suggested_capability,
+                raw=refusal.raw,
+            )
+        )
+
+    async def start(self) -> EgressBridge:
+        """Start the proxies if they are not running; return the bridge to plan with.
+
+        Raises:
+            EnforcementFailed: the session is closed, or the directory or proxies could not be
+                set up (the command must not run).
+        """
+        if self._closed:
+            raise EnforcementFailed(f"the egress of session {self.session_id!r} is closed")
+        if self._proxies is None:
+            directory = os.path.join(
+                self._base_dir, f"egress-{os.getpid()}-{secrets.token_hex(8)}"
+            )
+            os.mkdir(directory, 0o700)
+            try:
+                self._proxies = await start_session_proxies(
+                    ProxyParams(
+                        session_id=self.session_id,
+                        allowlist=self.allowlist,
+                        on_refused=self._refused,
+                        suggest=self._suggest,
+                        socket_dir=directory,
+                        resolver=self._resolver,
+                    )
+                )
+            except BaseException:
+                shutil.rmtree(directory, ignore_errors=True)
+                raise
+            self._dir = directory
+        assert self._dir is not None
+        return EgressBridge(socket_dir=self._dir)
+
+    async def aclose(self) -> None:
+        """Stop the proxies and remove the socket directory. Idempotent."""
+        self._closed = True
+        proxies, self._proxies = self._proxies, None
+        try:
+            if proxies is not None:
+                await proxies.aclose()
+        finally:
+            directory, self._dir = self._dir, None
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)

@@ -1,0 +1,63 @@
+"""The private socket directories of session egress: ownership, privacy, stale cleanup."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from cc_server.errors import EnforcementFailed
+from cc_server.runtime.egress import egress_base_dir, remove_stale_session_dirs
+
+
+def test_base_dir_under_xdg_runtime_dir(tmp_path: Path) -> None:
+    base = egress_base_dir({"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert base == str(tmp_path / "cc-server")
+    assert (os.stat(base).st_mode & 0o777) == 0o700
+
+
+def test_base_dir_falls_back_to_tmp_with_the_uid(tmp_path: Path) -> None:
+    base = egress_base_dir({"XDG_RUNTIME_DIR": "relative/ignored"}, tmp_dir=str(tmp_path))
+    assert base == str(tmp_path / f"cc-server-{os.geteuid()}")
+    assert egress_base_dir({}, tmp_dir=str(tmp_path)) == base  # existing and private: reused
+
+
+def test_base_dir_open_to_others_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "cc-server").mkdir(mode=0o700)
+    os.chmod(tmp_path / "cc-server", 0o755)
+    with pytest.raises(EnforcementFailed, match="not a private directory"):
+        egress_base_dir({"XDG_RUNTIME_DIR": str(tmp_path)})
+
+
+def test_base_dir_that_is_a_symlink_is_refused(tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    (tmp_path / "cc-server").symlink_to(target)
+    with pytest.raises(EnforcementFailed, match="not a private directory"):
+        egress_base_dir({"XDG_RUNTIME_DIR": str(tmp_path)})
+
+
+def test_base_dir_owned_by_someone_else_is_refused(tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a directory owned by another user")
+    (tmp_path / "cc-server").mkdir(mode=0o700)
+    os.chown(tmp_path / "cc-server", 65534, 65534)
+    with pytest.raises(EnforcementFailed, match="owned by this user"):
+        egress_base_dir({"XDG_RUNTIME_DIR": str(tmp_path)})
+
+
+def test_stale_session_dirs_of_dead_servers_are_removed(tmp_path: Path) -> None:
+    dead = tmp_path / "egress-999999999-0123456789abcdef"
+    alive = tmp_path / f"egress-{os.getpid()}-0123456789abcdef"
+    unrelated = tmp_path / "egress-999999999-notours"
+    for d in (dead, alive, unrelated):
+        d.mkdir()
+    (dead / "http.sock").write_text("")
+    assert remove_stale_session_dirs(str(tmp_path)) == [dead.name]
+    assert not dead.exists()
+    assert alive.exists() and unrelated.exists()
+
+
+def test_stale_cleanup_of_a_missing_base_is_a_no_op(tmp_path: Path) -> None:
+    assert remove_stale_session_dirs(str(tmp_path / "absent")) == []
