@@ -256,9 +256,16 @@ class SessionProxies:
 
         If the caller is cancelled while waiting, the closing still completes on the loop.
         """
-        self._supervisor.cancel()
-        await asyncio.wait([self._supervisor])
+        supervisor = self._supervisor
+        supervisor.cancel()
+        await asyncio.wait([supervisor])
         self._release()
+        if not supervisor.cancelled() and supervisor.exception() is not None:
+            log.debug(
+                "egress %s: proxies failed",
+                self._params.session_id,
+                exc_info=supervisor.exception(),
+            )
 
     # The session's task group.
 
