@@ -4,7 +4,9 @@
 Prints the median wall time of:
   bare      /bin/true as a plain child process
   bwrap     raw bwrap with the same namespaces cc-server uses, running /bin/true
-  library   cc-server native exec of /bin/true through the library API (warm process)
+  nobridge  the same bwrap plan cc-server builds, without the egress bridge, run directly
+  library   cc-server native exec of /bin/true through the library API (warm process), which
+            includes the egress bridge (socat listeners in the sandbox) every native exec gets
   cli       `cc-server run -- /bin/true` as a new process
 each as a ratio to raw bwrap. Targets: library <= 1.5x raw bwrap; CLI <= 100 ms median.
 
@@ -24,7 +26,9 @@ import tempfile
 import time
 from collections.abc import Callable
 
+from cc_server.backends.plan import Command
 from cc_server.backends.probe import probe
+from cc_server.backends.runner import run_attached
 from cc_server.policy import HostFacts, parse_spec
 from cc_server.runtime.handle import run_collect
 from cc_server.runtime.port import SandboxManager
@@ -71,6 +75,8 @@ def main() -> int:
             assert result.exit_code == 0, result
 
         lib = _time(library, runs)
+        plain = handle.plan(Command(argv=("/bin/true",)))
+        nobridge = _time(lambda: run_attached(plain), runs)
         loop.run_until_complete(manager.aclose())
         loop.close()
 
@@ -85,7 +91,9 @@ def main() -> int:
 
     print(f"runs per case: {runs} (median wall time)")
     print(f"{'case':<10}{'median ms':>12}{'x raw bwrap':>14}")
-    for name, value in (("bare", bare), ("bwrap", raw_bwrap), ("library", lib), ("cli", cli)):
+    cases = (("bare", bare), ("bwrap", raw_bwrap), ("nobridge", nobridge), ("library", lib),
+             ("cli", cli))
+    for name, value in cases:
         print(f"{name:<10}{value * 1000:>12.2f}{value / raw_bwrap:>14.2f}")
     print(f"library/bwrap = {lib / raw_bwrap:.2f} (target <= 1.5); "
           f"cli = {cli * 1000:.1f} ms (target <= 100)")
