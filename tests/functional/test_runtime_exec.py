@@ -7,17 +7,14 @@ caller of the library would. $HOME is a directory under tmp_path, never the real
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import pathlib
 import socket
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
 from cc_server.backends.egress_bridge import bridge_env
-from cc_server.backends.probe import ProbeResult, probe
+from cc_server.backends.probe import ProbeResult
 from cc_server.errors import BackendUnavailable, BadSpec
 from cc_server.policy import HostFacts, SandboxBackend, parse_spec
 from cc_server.runtime.events import EventType, SandboxEvent, SandboxState
@@ -29,31 +26,6 @@ pytestmark = pytest.mark.integration
 SH = "/bin/sh"
 RUN_TIMEOUT_S = 20.0  # a bound for commands that finish in well under a second
 PROMPT_S = 10.0  # "promptly": generous for a loaded CI host, far below the commands' own sleeps
-
-
-@pytest.fixture(scope="module")
-def probe_result() -> ProbeResult:
-    result = probe()
-    assert result.available and result.mechanism == "bubblewrap", (
-        f"these tests need bubblewrap and socat; probe said: {result.hint}"
-    )
-    return result
-
-
-@pytest.fixture
-def host(tmp_path: pathlib.Path) -> HostFacts:
-    home = tmp_path / "home"
-    home.mkdir()
-    return dataclasses.replace(HostFacts.current(), home=str(home))
-
-
-@pytest.fixture
-async def manager(probe_result: ProbeResult, host: HostFacts) -> AsyncIterator[SandboxManager]:
-    mgr = SandboxManager(probe_result=probe_result, host=host)
-    try:
-        yield mgr
-    finally:
-        await mgr.aclose()
 
 
 def spec(session_id: str = "s1", **fields: Any) -> Any:
@@ -377,7 +349,6 @@ async def test_a_disabled_sandbox_runs_none_when_unspecified(
         assert manager.launch(spec()).backend is SandboxBackend.NONE
     finally:
         await manager.aclose()
-
 
 
 async def test_wait_returns_without_reading_many_output_chunks(manager: SandboxManager) -> None:

@@ -7,18 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
-import pathlib
 import secrets
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from cc_server.backends.probe import ProbeResult, probe
+from cc_server.backends.probe import ProbeResult
 from cc_server.policy import HostFacts, SandboxBackend, parse_spec
 from cc_server.runtime.events import EventType, SandboxState
 from cc_server.runtime.handle import run_collect
@@ -29,31 +27,6 @@ pytestmark = pytest.mark.integration
 SH = "/bin/sh"
 HANG_GUARD_S = 20.0  # anything slower than this counts as a hang
 HOST_POLL_S = 3.0  # how long a killed process may take to disappear from the host
-
-
-@pytest.fixture(scope="module")
-def probe_result() -> ProbeResult:
-    result = probe()
-    assert result.available and result.mechanism == "bubblewrap", (
-        f"these tests need bubblewrap and socat; probe said: {result.hint}"
-    )
-    return result
-
-
-@pytest.fixture
-def host(tmp_path: pathlib.Path) -> HostFacts:
-    home = tmp_path / "home"
-    home.mkdir()
-    return dataclasses.replace(HostFacts.current(), home=str(home))
-
-
-@pytest.fixture
-async def manager(probe_result: ProbeResult, host: HostFacts) -> AsyncIterator[SandboxManager]:
-    mgr = SandboxManager(probe_result=probe_result, host=host)
-    try:
-        yield mgr
-    finally:
-        await mgr.aclose()
 
 
 @pytest.fixture
