@@ -17,6 +17,9 @@ class EgressBridge:
     Unix sockets `http.sock` and `socks.sock`, which a backend bridges into the sandbox."""
 
     socket_dir: str
+    # The directory holding every session's socket directory (and the server's token): hidden
+    # wherever a bind would expose it, so no sandbox reaches another session's proxies.
+    base_dir: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

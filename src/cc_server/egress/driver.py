@@ -164,6 +164,9 @@ class ProxyParams:
     socket_dir: str | None = None
     """If set, also listen on Unix sockets `http.sock` and `socks.sock` in this directory, which
     must be ours and mode 0700; the sockets are created 0600 and removed by aclose()."""
+    listen_tcp: bool = True
+    """Listen on 127.0.0.1 TCP too. Any local user can reach a loopback port, so a session whose
+    sandbox reaches the proxies through the Unix sockets (Linux) turns this off."""
     resolver: Resolver | None = None
     """Name resolution; None: the loop's getaddrinfo (SOCK_STREAM)."""
     limits: ProxyLimits = ProxyLimits()
@@ -215,10 +218,10 @@ class SessionProxies:
     Made by `start_session_proxies` or `open_session_proxies`.
     """
 
-    http_port: int
-    """The HTTP proxy's TCP port on 127.0.0.1."""
-    socks_port: int
-    """The SOCKS5 proxy's TCP port on 127.0.0.1."""
+    http_port: int | None
+    """The HTTP proxy's TCP port on 127.0.0.1 (None without ProxyParams.listen_tcp)."""
+    socks_port: int | None
+    """The SOCKS5 proxy's TCP port on 127.0.0.1 (None without ProxyParams.listen_tcp)."""
     http_socket: str | None
     """The HTTP proxy's Unix socket, when ProxyParams.socket_dir was set."""
     socks_socket: str | None
@@ -230,8 +233,10 @@ class SessionProxies:
         self._deny_only = Allowlist(patterns=(), denied=params.allowlist.denied)
         self._resolver: Resolver = params.resolver or system_resolver
         by_kind = {(lst.protocol, lst.identity is None): lst for lst in listeners}
-        self.http_port = by_kind["http", True].sock.getsockname()[1]
-        self.socks_port = by_kind["socks5", True].sock.getsockname()[1]
+        tcp_http = by_kind.get(("http", True))
+        tcp_socks = by_kind.get(("socks5", True))
+        self.http_port = tcp_http.sock.getsockname()[1] if tcp_http else None
+        self.socks_port = tcp_socks.sock.getsockname()[1] if tcp_socks else None
         unix_http = by_kind.get(("http", False))
         unix_socks = by_kind.get(("socks5", False))
         self.http_socket = unix_http.where if unix_http else None
@@ -593,7 +598,9 @@ async def start_session_proxies(params: ProxyParams) -> SessionProxies:
             ("http", HTTP_SOCKET_NAME),
             ("socks5", SOCKS_SOCKET_NAME),
         )
-        for protocol, _ in kinds:
+        if not params.listen_tcp and params.socket_dir is None:
+            raise EnforcementFailed("egress proxies with neither TCP nor Unix listeners")
+        for protocol, _ in kinds if params.listen_tcp else ():
             listeners.append(_Listener(_bind_tcp(), protocol, "tcp", None))
         if params.socket_dir is not None:
             directory = params.socket_dir

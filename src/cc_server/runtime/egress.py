@@ -158,6 +158,7 @@ class SessionEgress:
                         on_refused=self._refused,
                         suggest=self._suggest,
                         socket_dir=directory,
+                        listen_tcp=False,  # the sandbox comes in through the sockets only
                         resolver=self._resolver,
                     )
                 )
@@ -166,7 +167,7 @@ class SessionEgress:
                 raise
             self._dir = directory
         assert self._dir is not None
-        return EgressBridge(socket_dir=self._dir)
+        return EgressBridge(socket_dir=self._dir, base_dir=self._base_dir)
 
     async def aclose(self) -> None:
         """Stop the proxies and remove the socket directory. Idempotent."""
