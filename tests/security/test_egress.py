@@ -813,3 +813,39 @@ async def test_a_new_manager_removes_what_a_killed_server_left(
     finally:
         for directory in (stale, live, foreign):
             shutil.rmtree(directory, ignore_errors=True)
+
+
+async def test_binding_the_socket_base_does_not_reach_another_sessions_proxies(lab: Lab) -> None:
+    up = lab.upstream
+    other = lab.launch(egressAllowlist=[ALLOWED, "127.0.0.1"])
+    first = await lab.sh(other, f"{CURL} http://{ALLOWED}:{up.port}/")  # starts its proxies
+    assert up.marker in output(first), output(first)
+    proxies = getattr(other.egress, "proxies", None)
+    assert proxies is not None and proxies.http_socket
+    base = egress_base_dir()
+    parent = os.path.dirname(base)
+    # The attacker binds the directory above every session's sockets (e.g. /tmp), writable.
+    attacker = lab.launch(
+        bindMounts=[{"hostPath": str(lab.sb.worktree)}, {"hostPath": parent}],
+        egressAllowlist=[],
+    )
+    script = f"""ls -A {base} | wc -l
+{PY} - <<'EOF2'
+import socket
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect({proxies.http_socket!r})
+    s.sendall(b"CONNECT {ALLOWED}:{up.port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    print("reached", s.recv(100))
+except OSError as exc:
+    print("refused", exc.errno)
+EOF2
+touch {base}/planted; echo touch=$?"""
+    result = await lab.sh(attacker, script)
+    text = output(result)
+    assert text.splitlines()[0].strip() == "0", text  # the base is an empty mask inside
+    assert "refused" in text and "reached" not in text, text
+    assert "touch=1" in text and not os.path.exists(os.path.join(base, "planted")), text
+    # Control: the other session's own sandbox still reaches its proxies.
+    again = await lab.sh(other, f"{CURL} http://{ALLOWED}:{up.port}/")
+    assert up.marker in output(again), output(again)

@@ -71,13 +71,14 @@ def _check_policy(policy: CompiledPolicy) -> None:
             raise BadSpec(f"bind mount path {mount.host_path!r} contains a control character")
 
 
-def _step_namespaces() -> list[str | FdArg]:
+def _step_namespaces(*, new_session: bool, share_net: bool) -> list[str | FdArg]:
     # 1. Namespaces and process hygiene: every namespace, no capabilities, no nested user
     #    namespaces, a new session (no TIOCSTI into the caller's terminal), die with the server.
+    #    Only the terminal profile keeps the host network and the PTY session (plan_bubblewrap).
     return [
         "--unshare-user",
         "--unshare-pid",
-        "--unshare-net",
+        *(() if share_net else ("--unshare-net",)),
         "--unshare-ipc",
         "--unshare-uts",
         "--unshare-cgroup-try",
@@ -85,7 +86,7 @@ def _step_namespaces() -> list[str | FdArg]:
         "--hostname",
         SANDBOX_HOSTNAME,
         "--die-with-parent",
-        "--new-session",
+        *(("--new-session",) if new_session else ()),
         "--cap-drop",
         "ALL",
     ]
@@ -222,7 +223,9 @@ def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
     return host.home
 
 
-def _step_egress(command: Command, socat: str | None) -> tuple[list[str | FdArg], tuple[str, ...]]:
+def _step_egress(
+    policy: CompiledPolicy, command: Command, socat: str | None
+) -> tuple[list[str | FdArg], tuple[str, ...]]:
     # 7. The session's proxy sockets, read-only, and the command wrapped so that the loopback
     #    listeners bridging to them are up before it runs. No bridge: no network at all.
     if command.egress is None:
@@ -232,7 +235,13 @@ def _step_egress(command: Command, socat: str | None) -> tuple[list[str | FdArg]
             "the egress bridge needs socat, resolved by the probe",
             fix="install socat (apt-get install socat)",
         )
-    bind: list[str | FdArg] = ["--ro-bind", command.egress.socket_dir, BRIDGE_DIR]
+    bind: list[str | FdArg] = []
+    base = command.egress.base_dir
+    if base is not None and any(
+        _under(base, m.host_path) or _under(m.host_path, base) for m in policy.mounts
+    ):
+        bind += ["--tmpfs", base, "--remount-ro", base]
+    bind += ["--ro-bind", command.egress.socket_dir, BRIDGE_DIR]
     return bind, bridged_argv(socat, command.argv)
 
 
@@ -243,18 +252,28 @@ def plan_bubblewrap(
     host: HostFacts,
     bwrap: str,
     socat: str | None = None,
+    new_session: bool = True,
+    share_net: bool = False,
 ) -> LaunchPlan:
     """Plan a bubblewrap launch of `command` under `policy`.
 
     `bwrap` and `socat` are the absolute paths the probe resolved; `socat` is needed only when
     the command carries an egress bridge.
 
+    Two switches exist for the server-hosted terminal's fixed profile only (terminal.profile):
+    `new_session=False` omits `--new-session`, so the shell keeps the PTY it was started on as its
+    controlling terminal (safe there: the PTY is private to the session, so TIOCSTI could only
+    reach that PTY, and the seccomp filter refuses TIOCSTI anyway); `share_net=True` keeps the
+    host's network namespace instead of the egress bridge (the profile's network is open).
+
     Raises:
         BackendUnavailable: the policy needs create-time filename rules, which bwrap cannot enforce.
         BadSpec: a mount asks for a guest path other than its host path, or a command is empty.
-        EnforcementFailed: the seccomp filter could not be built, or socat is missing for the
-            egress bridge.
+        EnforcementFailed: the seccomp filter could not be built, socat is missing for the
+            egress bridge, or an egress bridge was asked for with the host network shared.
     """
+    if share_net and command.egress is not None:
+        raise EnforcementFailed("an egress bridge cannot be planned with the host network shared")
     if not command.argv:
         raise BadSpec("the command is empty", fix="pass the program to run after '--'")
     if not posixpath.isabs(bwrap):
@@ -274,13 +293,13 @@ def plan_bubblewrap(
     read_only: set[str] = set()  # made read-only by step 5; pins must not re-open them
     cwd = command.cwd or _default_cwd(policy, host)
     argv: list[str | FdArg] = [bwrap]
-    argv += _step_namespaces()
+    argv += _step_namespaces(new_session=new_session, share_net=share_net)
     argv += _step_system(host)
     argv += _step_home(host, policy.mounts)
     argv += _step_binds(host, policy.mounts)
     argv += _step_deny_write(host, policy, pinned, read_only)
     argv += _step_deny_read(host, policy, pinned, read_only)
-    bridge_args, inner_argv = _step_egress(command, socat)
+    bridge_args, inner_argv = _step_egress(policy, command, socat)
     argv += bridge_args
     # 8. Everything not explicitly writable above is read-only, including the sandbox's root.
     argv += ["--remount-ro", "/"]
@@ -298,7 +317,11 @@ def plan_bubblewrap(
         argv=tuple(argv),
         env=tuple(sorted(env.items())),
         cwd=None,
-        notes=_notes(policy, command),
+        notes=(
+            ("network: open (the host's network namespace; terminal profile)",)
+            if share_net
+            else _notes(policy, command)
+        ),
     )
 
 
