@@ -824,6 +824,7 @@ async def test_binding_the_socket_base_does_not_reach_another_sessions_proxies(l
     assert proxies is not None and proxies.http_socket
     base = egress_base_dir()
     parent = os.path.dirname(base)
+    planted = f"planted-{secrets.token_hex(4)}"
     # The attacker binds the directory above every session's sockets (e.g. /tmp), writable.
     attacker = lab.launch(
         bindMounts=[{"hostPath": str(lab.sb.worktree)}, {"hostPath": parent}],
@@ -840,12 +841,12 @@ try:
 except OSError as exc:
     print("refused", exc.errno)
 EOF2
-touch {base}/planted; echo touch=$?"""
+touch {base}/{planted}; echo touch=$?"""
     result = await lab.sh(attacker, script)
     text = output(result)
     assert text.splitlines()[0].strip() == "0", text  # the base is an empty mask inside
     assert "refused" in text and "reached" not in text, text
-    assert "touch=1" in text and not os.path.exists(os.path.join(base, "planted")), text
+    assert "touch=1" in text and not os.path.exists(os.path.join(base, planted)), text
     # Control: the other session's own sandbox still reaches its proxies.
     again = await lab.sh(other, f"{CURL} http://{ALLOWED}:{up.port}/")
     assert up.marker in output(again), output(again)
