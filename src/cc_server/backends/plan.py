@@ -20,6 +20,10 @@ class EgressBridge:
     # The directory holding every session's socket directory (and the server's token): hidden
     # wherever a bind would expose it, so no sandbox reaches another session's proxies.
     base_dir: str | None = None
+    # The proxies' TCP ports on 127.0.0.1, when they listen there too: a macOS sandbox shares the
+    # host loopback and reaches them directly (Linux goes through the sockets above).
+    http_port: int | None = None
+    socks_port: int | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
