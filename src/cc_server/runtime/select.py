@@ -10,12 +10,14 @@ The choice is the reference page's, exactly:
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 from cc_server.backends.bubblewrap import plan_bubblewrap
 from cc_server.backends.none import plan_none
 from cc_server.backends.plan import Planner
 from cc_server.backends.probe import ProbeResult
+from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import HostFacts, Platform, SandboxBackend
 
@@ -67,9 +69,16 @@ def planner_for(backend: SandboxBackend, probe_result: ProbeResult, host: HostFa
                 bwrap=probe_result.tools["bwrap"],
                 socat=probe_result.tools.get("socat"),
             )
+        if probe_result.mechanism == "seatbelt" and host.platform is Platform.MACOS:
+            return partial(
+                plan_seatbelt,
+                host=host,
+                sandbox_exec=probe_result.tools["sandbox-exec"],
+                temp_dir=darwin_user_temp_dir(os.environ),
+            )
         raise BackendUnavailable(
             f"the {probe_result.mechanism} adapter is not available in this build",
-            fix="use a Linux host with bubblewrap, or request backend 'none' explicitly",
+            fix="use macOS or a Linux host with bubblewrap, or request backend 'none' explicitly",
         )
     raise BackendUnavailable(
         f"backend {backend!s} cannot run on this host",

@@ -4,12 +4,14 @@ ProbeResults are built by hand."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 
 from cc_server.backends.bubblewrap import plan_bubblewrap
 from cc_server.backends.none import plan_none
 from cc_server.backends.probe import ProbeResult
+from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import HostFacts, Platform, SandboxBackend
 from cc_server.runtime.select import choose_backend, planner_for
@@ -122,9 +124,23 @@ def test_planner_for_native_bubblewrap_is_a_bound_plan_bubblewrap(probe: ProbeRe
     assert planner.keywords["host"] is host
 
 
-def test_planner_for_native_seatbelt_on_macos_unavailable() -> None:
+def test_planner_for_native_seatbelt_on_macos_is_a_bound_plan_seatbelt() -> None:
+    host = _host(Platform.MACOS)
+    planner = planner_for(SandboxBackend.NATIVE, MACOS_OK, host)
+    assert isinstance(planner, functools.partial)
+    assert planner.func is plan_seatbelt
+    assert planner.args == ()
+    assert planner.keywords == {
+        "host": host,
+        "sandbox_exec": "/usr/bin/sandbox-exec",
+        "temp_dir": darwin_user_temp_dir(os.environ),
+    }
+
+
+@pytest.mark.parametrize("platform", [Platform.LINUX, Platform.WSL2, Platform.WINDOWS])
+def test_planner_for_seatbelt_on_a_non_macos_host_unavailable(platform: Platform) -> None:
     with pytest.raises(BackendUnavailable, match="seatbelt adapter is not available"):
-        planner_for(SandboxBackend.NATIVE, MACOS_OK, _host(Platform.MACOS))
+        planner_for(SandboxBackend.NATIVE, MACOS_OK, _host(platform))
 
 
 @pytest.mark.parametrize("platform", [Platform.MACOS, Platform.WINDOWS, Platform.OTHER])
