@@ -7,15 +7,19 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
+from cc_server.backends.egress_bridge import HTTP_PROXY_PORT, SOCKS_PROXY_PORT
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan
-from cc_server.backends.probe import ProbeResult, probe
+from cc_server.backends.probe import SANDBOX_EXEC_PATH, ProbeResult, probe
 from cc_server.backends.runner import run_attached
+from cc_server.backends.seatbelt import render_seatbelt_plan
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import (
     HostFacts,
     Mode,
+    Platform,
     SandboxBackend,
     SandboxSpec,
     compile_policy,
@@ -30,6 +34,11 @@ PASSTHROUGH_ENV = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
 CAPABILITIES = ("canUseNetwork", "canCallGitHubApi", "canPush", "canCallTicketing")
 # Shown by `plan` where `run` puts the session's private proxy socket directory.
 PLAN_SOCKET_DIR = "<session socket dir>"
+# `plan --platform macos` off a Mac: the per-user temp dir and the proxies' loopback ports are the
+# session's own at run time; these stand in for them.
+PLAN_MACOS_TEMP_DIR = "/var/folders/<per-user>/T"
+# macOS resolves these top-level names into /private (what the kernel matches rules against).
+MACOS_PRIVATE_LINKS = ("/tmp", "/var", "/etc")
 EXIT_USAGE = 2
 EXIT_REFUSED = 125  # like `env`/`timeout`: the command itself never ran
 
@@ -93,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     p_plan = sub.add_parser("plan", help="print the launch plan `run` would execute")
     _add_run_options(p_plan)
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
+    p_plan.add_argument("--platform", choices=["linux", "macos"],
+                        help="plan as on this platform (default: this host's); runs nothing. "
+                        "macos prints the Seatbelt profile and the sandbox-exec command line")
     p_run = sub.add_parser("run", help="run a command in a sandbox; exits with its code")
     _add_run_options(p_run)
     p_run.add_argument("--events", choices=["json"], help="stream events as JSON lines")
@@ -151,21 +163,64 @@ def _backend(args: argparse.Namespace, result: ProbeResult) -> SandboxBackend:
     return choose_backend(result, requested, sandbox_on=True)
 
 
-def _plan(args: argparse.Namespace, result: ProbeResult) -> LaunchPlan:
-    """Compile, choose and plan exactly as the library does, without an event loop or proxies."""
-    host = HostFacts.current()
+def _plan(
+    args: argparse.Namespace,
+    result: ProbeResult,
+    host: HostFacts | None = None,
+    temp_dir: str | None = None,
+) -> LaunchPlan:
+    """Compile, choose and plan exactly as the library does, without an event loop or proxies.
+
+    `host` and `temp_dir` stand in for this host's facts (`plan --platform` on another OS)."""
+    host = HostFacts.current() if host is None else host
     backend = _backend(args, result)
     spec = _spec(args)
     policy = compile_policy(spec, host, deny_create_globs=args.deny_create)
     bridge = None
-    if backend is SandboxBackend.NATIVE and result.mechanism == "bubblewrap":
+    if backend is SandboxBackend.NATIVE and result.mechanism in ("bubblewrap", "seatbelt"):
         from cc_server.egress.resolver import allowlist_for  # lazy import: name tables
 
         allowlist_for(spec)  # a malformed allowlist entry fails here, as it would in `run`
         bridge = EgressBridge(socket_dir=PLAN_SOCKET_DIR)
+        if result.mechanism == "seatbelt":  # a Mac's sandbox reaches the proxies on loopback
+            bridge = EgressBridge(socket_dir=PLAN_SOCKET_DIR, http_port=HTTP_PROXY_PORT,
+                                  socks_port=SOCKS_PROXY_PORT)
     command = Command(argv=tuple(_command(args)), env=tuple(sorted(_env(args).items())),
                       egress=bridge)
-    return planner_for(backend, result, host)(policy, command)
+    planner = planner_for(backend, result, host)
+    if temp_dir is not None and isinstance(planner, partial):  # the stand-in temp dir
+        planner = partial(planner.func, *planner.args, **{**planner.keywords,
+                                                          "temp_dir": temp_dir})
+    return planner(policy, command)
+
+
+def _macos_realpath(path: str) -> str:
+    """This host's symlinks, then macOS's /tmp, /var and /etc -> /private/... ."""
+    resolved = os.path.realpath(path)
+    for link in MACOS_PRIVATE_LINKS:
+        if resolved == link or resolved.startswith(link + "/"):
+            return "/private" + resolved
+    return resolved
+
+
+def _as_platform(platform: str) -> tuple[ProbeResult, HostFacts | None, str | None]:
+    """The probe, host facts and temp dir `plan --platform` uses: this host's when it is that
+    platform; otherwise stand-ins built from this host's home and files. Nothing is run."""
+    real = probe()
+    if platform == "macos":
+        if real.platform is Platform.MACOS:
+            return real, None, None
+        fake = ProbeResult(platform=Platform.MACOS, available=True, mechanism="seatbelt",
+                           tools={"sandbox-exec": SANDBOX_EXEC_PATH})
+        current = HostFacts.current(Platform.MACOS)
+        host = HostFacts(platform=Platform.MACOS, home=current.home, realpath=_macos_realpath,
+                         exists=current.exists, is_dir=current.is_dir)
+        return fake, host, PLAN_MACOS_TEMP_DIR
+    if real.platform in (Platform.LINUX, Platform.WSL2):
+        return real, None, None
+    fake = ProbeResult(platform=Platform.LINUX, available=True, mechanism="bubblewrap",
+                       tools={"bwrap": "/usr/bin/bwrap", "socat": "/usr/bin/socat"})
+    return fake, HostFacts.current(Platform.LINUX), None
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -187,8 +242,20 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    plan = _plan(args, probe())
-    print(json.dumps(plan.to_json(), indent=2) if args.json else plan.render())
+    if args.platform is None:
+        plan = _plan(args, probe())
+    else:
+        result, host, temp_dir = _as_platform(args.platform)
+        plan = _plan(args, result, host, temp_dir)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+    elif plan.argv and plan.argv[0] == SANDBOX_EXEC_PATH:
+        print(render_seatbelt_plan(plan))
+        if args.platform == "macos" and temp_dir is not None:
+            print("note: planned off a Mac: the temp dir and the proxy ports are stand-ins for "
+                  "the session's own")
+    else:
+        print(plan.render())
     return 0
 
 

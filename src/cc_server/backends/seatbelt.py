@@ -535,7 +535,7 @@ def _notes(
     else:
         network = "network: only through the session's HTTP and SOCKS5 proxies (allowlist enforced)"
     return (
-        "seatbelt: sandbox-exec (namespace-free; the kernel's Sandbox policy, no kernel boundary)",
+        "seatbelt: the kernel's Sandbox policy, applied by sandbox-exec; no kernel boundary",
         network,
         f"violations: denials carry the message {message_for(profile.tag)!r} in the unified log",
     )
