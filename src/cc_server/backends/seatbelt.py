@@ -380,12 +380,13 @@ def build_profile(
             prefix = posixpath.dirname(re.split(r"[*?]", prefix, maxsplit=1)[0] + "x")
             ancestors.append(prefix)
         ancestors.extend(_ancestors(prefix))
-    b.rule(
-        "deny",
-        "file-write-unlink",
-        [b.deny_filter("DENY_WRITE", r.path) for r in write_denied],
-        "a denied path may not be renamed or removed",
-    )
+    if write_denied:  # never an unfiltered deny: that would refuse every rename
+        b.rule(
+            "deny",
+            "file-write-unlink",
+            [b.deny_filter("DENY_WRITE", r.path) for r in write_denied],
+            "a denied path may not be renamed or removed",
+        )
     unique_ancestors = list(dict.fromkeys(a for a in ancestors if a not in
                                           {r.path for r in write_denied}))
     if unique_ancestors:

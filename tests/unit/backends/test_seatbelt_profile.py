@@ -691,6 +691,17 @@ def test_a_nul_in_a_path_is_refused() -> None:
         plan(policy)
 
 
+def test_a_policy_without_denied_paths_has_no_unfiltered_path_deny() -> None:
+    bare = dataclasses.replace(terminal_policy(), deny_read=())
+    rules = rules_of(plan(bare, NO_EGRESS, share_net=True))
+    for rule in rules:
+        if rule.action == "deny" and not rule.filters:
+            assert set(rule.operations) <= {"file-write*", "file-link", "file-clone",
+                                            "appleevent-send", "lsopen",
+                                            "user-preference-write"}, rule
+    assert decide(rules, "file-write-unlink", "/private/tmp/work/old.txt") == "allow"
+
+
 def test_build_profile_uses_each_parameter_once_per_value() -> None:
     profile = build_profile(policy_for("chat"), COMMAND, host=HOST, session_tag=TAG,
                             temp_dir=TEMP)
