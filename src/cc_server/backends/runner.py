@@ -2,8 +2,9 @@
 
 It materialises a LaunchPlan's fd payloads in sealed memfds (nothing on disk), starts the argv with
 exactly the plan's environment in a new session, and closes every fd it opened, whatever happens.
-Two entry points: `start` (asyncio, for the runtime's event streams) and `run_attached` (blocking,
-stdio inherited, for the CLI; it does not import asyncio, which the per-run CLI would pay for).
+Three entry points: `start` (asyncio, for the runtime's event streams), `start_pty` (asyncio, a
+shell on a fresh pseudo-terminal for the server-hosted terminal) and `run_attached` (blocking, stdio
+inherited, for the CLI; it does not import asyncio, which the per-run CLI would pay for).
 """
 
 from __future__ import annotations
@@ -12,8 +13,11 @@ import contextlib
 import fcntl
 import os
 import signal
+import struct
 import subprocess
+import termios
 from collections.abc import Iterator
+from dataclasses import dataclass
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
@@ -23,7 +27,7 @@ from cc_server.errors import EnforcementFailed
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["run_attached", "start"]
+__all__ = ["PtyProcess", "run_attached", "set_window_size", "start", "start_pty"]
 
 _Stream = int | IO[Any] | None
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -100,6 +104,83 @@ async def start(
         )
         return asyncio.subprocess.Process(transport, protocol, loop), transport
     raise AssertionError("unreachable")  # pragma: no cover (the context manager re-raises)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PtyProcess:
+    """A command on its own pseudo-terminal: the process and the master side, which the caller
+    owns (reads output from it, writes input to it, closes it)."""
+
+    process: asyncio.subprocess.Process
+    transport: asyncio.SubprocessTransport
+    master_fd: int
+
+
+def set_window_size(fd: int, rows: int, cols: int) -> None:
+    """Set a terminal's window size (TIOCSWINSZ); on a PTY master the kernel then sends SIGWINCH
+    to the terminal's foreground process group.
+
+    Raises:
+        OSError: `fd` is not a terminal.
+    """
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", rows, cols, 0, 0))
+
+
+def _take_controlling_terminal() -> None:  # pragma: no cover (runs in the child, before exec)
+    # Runs between fork and exec, after setsid (start_new_session): stdin is the PTY slave, and a
+    # session leader acquires it as its controlling terminal. One ioctl, nothing that could wait
+    # on a lock another thread of the server held at fork time.
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
+async def start_pty(plan: LaunchPlan, rows: int, cols: int) -> PtyProcess:
+    """Spawn the plan on a new pseudo-terminal of `rows` x `cols`.
+
+    The child's stdin, stdout and stderr are the PTY slave, and it starts in a new session whose
+    controlling terminal is that slave (setsid, then TIOCSCTTY), so job control, ^C and SIGWINCH
+    work. The slave is closed in this process before returning; the caller owns `master_fd`
+    (non-blocking) and must close it, and the transport, when done.
+
+    Raises:
+        EnforcementFailed: the PTY could not be opened or the program could not be started; the
+            command has not run.
+    """
+    import asyncio  # lazy import (see the module docstring)
+
+    loop = asyncio.get_running_loop()
+    try:
+        master, slave = os.openpty()  # both close-on-exec; Popen dups the slave onto 0, 1, 2
+    except OSError as exc:
+        raise EnforcementFailed(f"could not open a pseudo-terminal: {exc}") from exc
+    try:
+        set_window_size(master, rows, cols)
+        os.set_blocking(master, False)
+        with _materialised(plan) as (argv, fds):
+            try:
+                transport, protocol = await loop.subprocess_exec(
+                    lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=2**16, loop=loop),
+                    *argv,
+                    stdin=slave,
+                    stdout=slave,
+                    stderr=slave,
+                    env=dict(plan.env),
+                    cwd=plan.cwd,
+                    pass_fds=fds,
+                    start_new_session=True,
+                    preexec_fn=_take_controlling_terminal,
+                )
+            except subprocess.SubprocessError as exc:  # the preexec step failed in the child
+                raise EnforcementFailed(
+                    f"could not give {argv[0]} its terminal: {exc}",
+                    fix="check that this host supports pseudo-terminals (/dev/pts)",
+                ) from exc
+    except BaseException:
+        os.close(master)
+        raise
+    finally:
+        os.close(slave)
+    process = asyncio.subprocess.Process(transport, protocol, loop)
+    return PtyProcess(process=process, transport=transport, master_fd=master)
 
 
 def run_attached(plan: LaunchPlan) -> int:

@@ -322,6 +322,22 @@ class Execution:
             async with asyncio.timeout(KILL_GRACE_S):
                 await self._exited()
 
+    async def terminate(self, grace_s: float, reason: str = "shutdown") -> None:
+        """SIGTERM the command's host-side process group, then `kill()` it if it has not exited
+        within `grace_s`; idempotent. On bubblewrap the SIGTERM ends bwrap, and the sandbox's PID
+        namespace goes with it at once."""
+        proc = self._proc
+        if proc is None or self._done.is_set():
+            return
+        if proc.returncode is None and self._killed_reason is None:
+            self._killed_reason = reason
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace_s):
+                await self._exited()
+        await self.kill(reason=reason)
+
     async def _exited(self) -> None:
         """Wait for the command itself to exit.
 

@@ -8,14 +8,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
+from cc_server.backends.bubblewrap import plan_bubblewrap
 from cc_server.backends.plan import Command, Planner
 from cc_server.backends.probe import ProbeResult
 from cc_server.egress.driver import Resolver
 from cc_server.egress.resolver import allowlist_for, suggested_capability
-from cc_server.errors import BadSpec, CcServerError
-from cc_server.policy import HostFacts, Platform, SandboxBackend, SandboxSpec, compile_policy
+from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
+from cc_server.policy import (
+    CompiledPolicy,
+    HostFacts,
+    Platform,
+    SandboxBackend,
+    SandboxSpec,
+    compile_policy,
+)
 from cc_server.runtime.egress import SessionEgress, egress_base_dir, remove_stale_session_dirs
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import SandboxHandle
@@ -184,6 +193,52 @@ class SandboxManager:
             )
         handle = self.choose(backend).launch(spec, deny_create_globs=deny_create_globs)
         self.handles[spec.session_id] = handle
+        return handle
+
+    def launch_terminal(self, policy: CompiledPolicy, *, backend: SandboxBackend) -> SandboxHandle:
+        """A warm handle for a server-hosted terminal under `policy`, the fixed terminal profile
+        (terminal.profile builds it; there is no spec to compile and no capability gating).
+
+        The backend is always explicit here: `native` never steps down to `none`, whatever
+        `--sandbox` says. On bubblewrap the plan keeps the host network (the profile's network
+        is open, so no egress proxies) and omits `--new-session` (the shell's PTY stays its
+        controlling terminal). The handle is not kept in `handles`: the terminal service owns it.
+
+        Raises:
+            BackendUnavailable: `native` on a host without a native backend or whose mechanism
+                has no terminal plan here; `microvm` (not built).
+            CcServerError: the backend refuses the profile (the dry plan failed).
+        """
+        chosen = choose_backend(self.probe_result, backend, sandbox_on=True)
+        planner: Planner
+        if chosen is SandboxBackend.NONE:
+            planner = planner_for(chosen, _NO_PROBE, self.host)
+        elif self.probe_result.mechanism == "bubblewrap" and self.host.platform in (
+            Platform.LINUX,
+            Platform.WSL2,
+        ):
+            planner = partial(
+                plan_bubblewrap,
+                host=self.host,
+                bwrap=self.probe_result.tools["bwrap"],
+                new_session=False,
+                share_net=True,
+            )
+        else:
+            raise BackendUnavailable(
+                f"the native terminal profile is not built for {self.probe_result.mechanism}",
+                fix="ask for backend 'none', or use a Linux host with bubblewrap",
+            )
+        handle = SandboxHandle(
+            session_id=policy.session_id, backend=chosen, policy=policy, planner=planner
+        )
+        try:
+            handle.plan(Command(argv=("/bin/true",)))  # a profile the backend refuses fails here
+        except CcServerError as exc:
+            handle.fail(exc)
+            raise
+        handle.details["workdir"] = policy.workdir
+        handle.transition(SandboxState.WARM)
         return handle
 
     async def destroy(self, session_id: str) -> None:
