@@ -109,7 +109,36 @@ def _parser() -> argparse.ArgumentParser:
     _add_run_options(p_run)
     p_run.add_argument("--events", choices=["json"], help="stream events as JSON lines")
     p_run.add_argument("--timeout", type=float, metavar="SECONDS", help="kill after SECONDS")
+    p_serve = sub.add_parser("serve", help="run the HTTP and WebSocket server")
+    p_serve.add_argument("--host", default="127.0.0.1",
+                         help="address to bind (non-loopback only with --tls-cert/--tls-key)")
+    p_serve.add_argument("--port", type=int, default=8421,
+                         help="port to bind; 0 picks a free one (logged on the listening line)")
+    p_serve.add_argument("--sandbox", metavar="on|off",
+                         help="wrap commands when the host offers a backend (default on; "
+                         "overrides CC_SERVER_SANDBOX)")
+    p_serve.add_argument("--token-file", metavar="PATH",
+                         help="where to write the bearer token (default: a private runtime dir)")
+    p_serve.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    p_serve.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
+    p_serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
     return parser
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    # Lazy import: the server (aiohttp) is paid for only by `serve`.
+    from cc_server.server import ServerConfig, ServerConfigError, run_server
+
+    try:
+        config = ServerConfig.build(
+            host=args.host, port=args.port, sandbox_flag=args.sandbox,
+            token_file=args.token_file, log_json=args.log_json,
+            tls_cert=args.tls_cert, tls_key=args.tls_key,
+        )
+    except ServerConfigError as exc:
+        print(f"cc-server: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return run_server(config)
 
 
 def _spec(args: argparse.Namespace) -> SandboxSpec:
@@ -307,6 +336,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_probe(args)
         if args.verb == "plan":
             return _cmd_plan(args)
+        if args.verb == "serve":
+            return _cmd_serve(args)
         return _cmd_run(args)
     except CcServerError as exc:
         print(f"cc-server: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -1,0 +1,392 @@
+"""The sandbox API: create, list, inspect, destroy, exec (collected and streamed), kill.
+
+JSON bodies use the reference page's field names. Errors are an ErrorBody with a status a caller
+can act on: 400 bad input (nothing was created or run), 401 no token, 404 unknown sandbox, 409 id
+taken or backend unavailable on this host, 500 enforcement failed (nothing ran), 503 shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import codecs
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Final, NoReturn
+
+import msgspec
+from aiohttp import WSMsgType, web
+
+from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
+from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
+from cc_server.policy.spec import check_absolute
+from cc_server.runtime.events import EventType, SandboxEvent
+from cc_server.runtime.handle import Execution, SandboxHandle
+from cc_server.server.logs import log_event
+from cc_server.server.models import (
+    CreateSandboxWire,
+    ExecRequest,
+    ExecStreamInput,
+)
+from cc_server.server.openapi import BACKEND_UNAVAILABLE_STATUS
+from cc_server.server.state import STATE, ServerState
+
+__all__ = ["error_response", "routes", "status_for"]
+
+FIRST_MESSAGE_TIMEOUT_S: Final = 30.0  # the exec WebSocket's ExecRequest must arrive by then
+WS_HEARTBEAT_S: Final = 30.0  # ping interval; a client that stops answering is disconnected
+WS_CLOSE_TIMEOUT_S: Final = 2.0  # how long a client may take to answer the server's close
+WS_CLOSE_BASE: Final = 4000  # a refused WebSocket request closes with 4000 + its HTTP status
+
+routes = web.RouteTableDef()
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+
+def status_for(exc: CcServerError) -> int:
+    """The HTTP status for a runtime error."""
+    if isinstance(exc, BadSpec):
+        return 400
+    if isinstance(exc, BackendUnavailable):
+        return BACKEND_UNAVAILABLE_STATUS
+    if isinstance(exc, EnforcementFailed):
+        return 500
+    return 500
+
+
+def _error_body(error: str, message: str, fix: str | None = None) -> dict[str, Any]:
+    return {"error": error, "message": message, "fix": fix}
+
+
+def error_response(status: int, error: str, message: str, fix: str | None = None) -> web.Response:
+    """An ErrorBody response."""
+    return web.json_response(_error_body(error, message, fix), status=status)
+
+
+class _Refused(Exception):
+    """A request refused with an ErrorBody; raised inside handlers, answered by `_answer`."""
+
+    def __init__(self, status: int, error: str, message: str, fix: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = _error_body(error, message, fix)
+
+
+def _refuse_error(exc: CcServerError) -> NoReturn:
+    raise _Refused(status_for(exc), type(exc).__name__, exc.message, exc.fix) from exc
+
+
+def _decode(data: bytes, kind: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _Refused(400, "BadRequest", f"invalid {kind.__name__.removesuffix('Wire')}: {exc}",
+                       "see /openapi.json for the body's schema") from None
+
+
+def _state(request: web.Request) -> ServerState:
+    state = request.app[STATE]
+    if state.shutting_down:
+        raise _Refused(503, "ShuttingDown", "the server is shutting down")
+    return state
+
+
+def _handle(state: ServerState, session_id: str) -> SandboxHandle:
+    handle = state.manager.handles.get(session_id)
+    if handle is None:
+        raise _Refused(404, "NotFound", f"no live sandbox with sessionId {session_id!r}",
+                       "create it with POST /v1/sandboxes")
+    return handle
+
+
+@web.middleware
+async def answer_refusals(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Turn `_Refused` into its ErrorBody response."""
+    try:
+        response: web.StreamResponse = await handler(request)
+    except _Refused as refused:
+        return web.json_response(refused.body, status=refused.status)
+    return response
+
+
+# --- sandboxes -----------------------------------------------------------------------------------
+
+BACKEND_NAMES: Final = tuple(b.value for b in SandboxBackend)
+
+
+def _backend(name: str | None) -> SandboxBackend | None:
+    if name is None:
+        return None
+    if name not in BACKEND_NAMES:
+        raise _Refused(400, "BadSpec", f"unknown backend {name!r}",
+                       f"use one of {', '.join(BACKEND_NAMES)}, or leave it out")
+    return SandboxBackend(name)
+
+
+def _check_token_not_exposed(state: ServerState, spec: SandboxSpec) -> None:
+    """A sandbox that could read the server's token could drive the server; refuse the binds
+    that would show it (the egress socket directory is hidden by the backend itself)."""
+    token = state.token_real_path
+    for i, mount in enumerate(spec.bind_mounts):
+        root = state.manager.host.realpath(mount.host_path)
+        if token == root or token.startswith(root.rstrip("/") + "/"):
+            raise _Refused(
+                400, "BadSpec",
+                f"bindMounts[{i}].hostPath {mount.host_path!r} would expose the server's bearer "
+                "token file",
+                "bind a directory that does not contain the token file, or start the server "
+                "with --token-file elsewhere",
+            )
+
+
+@routes.post("/v1/sandboxes")
+async def create_sandbox(request: web.Request) -> web.StreamResponse:
+    """Create a sandbox from {spec, backend?}."""
+    state = _state(request)
+    wire: CreateSandboxWire = _decode(await request.read(), CreateSandboxWire)
+    requested = _backend(wire.backend)
+    try:
+        spec = parse_spec(bytes(wire.spec))
+    except BadSpec as exc:
+        _refuse_error(exc)
+    if spec.session_id in state.manager.handles:
+        raise _Refused(409, "Conflict", f"a sandbox with sessionId {spec.session_id!r} is live",
+                       "destroy it first (DELETE /v1/sandboxes/{id}) or use another sessionId")
+    _check_token_not_exposed(state, spec)
+    try:
+        handle = state.manager.launch(spec, backend=requested)
+    except CcServerError as exc:
+        log_event("sandbox.refused", exc.message, level=logging.WARNING,
+                  sessionId=spec.session_id, error=type(exc).__name__)
+        _refuse_error(exc)
+    log_event("sandbox.created", f"sandbox {spec.session_id} created",
+              sessionId=spec.session_id, backend=str(handle.backend))
+    return web.json_response(
+        handle.to_json(), status=201,
+        headers={"Location": f"/v1/sandboxes/{spec.session_id}"},
+    )
+
+
+@routes.get("/v1/sandboxes")
+async def list_sandboxes(request: web.Request) -> web.StreamResponse:
+    """Every live sandbox."""
+    state = request.app[STATE]
+    return web.json_response(
+        {"sandboxes": [h.to_json() for h in state.manager.handles.values()]}
+    )
+
+
+@routes.get("/v1/sandboxes/{id}")
+async def get_sandbox(request: web.Request) -> web.StreamResponse:
+    """One sandbox: state, backend, violations so far."""
+    return web.json_response(_handle(request.app[STATE], request.match_info["id"]).to_json())
+
+
+@routes.delete("/v1/sandboxes/{id}")
+async def destroy_sandbox(request: web.Request) -> web.StreamResponse:
+    """Destroy (idempotent): running commands are killed first."""
+    session_id = request.match_info["id"]
+    state = request.app[STATE]
+    if session_id in state.manager.handles:
+        await state.manager.destroy(session_id)
+        log_event("sandbox.destroyed", f"sandbox {session_id} destroyed", sessionId=session_id)
+    return web.Response(status=204)
+
+
+@routes.post("/v1/sandboxes/{id}/kill")
+async def kill_commands(request: web.Request) -> web.StreamResponse:
+    """Kill the sandbox's running commands; the sandbox stays."""
+    state = request.app[STATE]
+    session_id = request.match_info["id"]
+    _handle(state, session_id)
+    executions = list(state.running.get(session_id, ()))
+    for execution in executions:
+        await execution.kill(reason="manual")
+    return web.json_response({"killed": len(executions)})
+
+
+# --- exec ----------------------------------------------------------------------------------------
+
+
+def _stdin_bytes(text: str | None, b64: str | None) -> bytes | None:
+    if text is not None and b64 is not None:
+        raise _Refused(400, "BadRequest", "give stdin or stdinBase64, not both")
+    if b64 is not None:
+        try:
+            return base64.b64decode(b64, validate=True)
+        except binascii.Error as exc:
+            raise _Refused(400, "BadRequest", f"stdinBase64 is not base64: {exc}") from None
+    return None if text is None else text.encode()
+
+
+def _check_exec(req: ExecRequest) -> None:
+    for i, word in enumerate(req.argv):
+        if "\x00" in word:
+            raise _Refused(400, "BadRequest", f"argv[{i}] contains a NUL byte")
+    for name, value in (req.env or {}).items():
+        if not name or "=" in name or "\x00" in name or "\x00" in value:
+            raise _Refused(400, "BadRequest", f"env name {name!r} or its value is not valid",
+                           "names are non-empty without '=' or NUL; values have no NUL")
+    if req.cwd is not None:
+        try:
+            check_absolute(req.cwd)
+        except ValueError as exc:
+            raise _Refused(400, "BadRequest", f"cwd: {exc}") from None
+
+
+def _prepare(state: ServerState, session_id: str, req: ExecRequest, *,
+             interactive: bool) -> tuple[SandboxHandle, Execution]:
+    _check_exec(req)
+    handle = _handle(state, session_id)
+    stdin = _stdin_bytes(req.stdin, req.stdin_base64)
+    try:
+        execution = handle.exec(
+            req.argv, env=req.env, cwd=req.cwd,
+            stdin=None if interactive else stdin,
+            interactive_stdin=interactive, timeout_s=req.timeout_s,
+        )
+    except CcServerError as exc:
+        _refuse_error(exc)
+    return handle, execution
+
+
+@contextlib.asynccontextmanager
+async def _running(state: ServerState, handle: SandboxHandle,
+                   execution: Execution) -> AsyncIterator[Execution]:
+    """Start the command, tracked for kill and shutdown; refusals become _Refused."""
+    started = time.monotonic()
+    try:
+        await execution.__aenter__()
+    except CcServerError as exc:
+        log_event("exec.refused", exc.message, level=logging.WARNING,
+                  sessionId=handle.session_id, error=type(exc).__name__)
+        _refuse_error(exc)
+    state.track(handle.session_id, execution)
+    try:
+        yield execution
+    finally:
+        try:
+            await execution.__aexit__(None, None, None)
+        finally:
+            state.untrack(handle.session_id, execution)
+            log_event("exec.exit", f"{execution.exec_id} exited {execution.exit_code}",
+                      sessionId=handle.session_id, execId=execution.exec_id,
+                      exitCode=execution.exit_code,
+                      ms=round((time.monotonic() - started) * 1000, 1))
+
+
+@routes.post("/v1/sandboxes/{id}/exec")
+async def exec_collected(request: web.Request) -> web.StreamResponse:
+    """Run a command; answer with its collected result once it exits."""
+    state = _state(request)
+    req: ExecRequest = _decode(await request.read(), ExecRequest)
+    handle, execution = _prepare(state, request.match_info["id"], req, interactive=False)
+    async with _running(state, handle, execution):
+        result = await execution.collect()
+    return web.json_response({
+        "exitCode": result.exit_code,
+        "stdout": result.stdout.decode("utf-8", errors="replace"),
+        "stderr": result.stderr.decode("utf-8", errors="replace"),
+        "stdoutBase64": base64.b64encode(result.stdout).decode(),
+        "stderrBase64": base64.b64encode(result.stderr).decode(),
+        "violations": [v.to_json() for v in result.violations],
+        "killed": result.killed is not None,
+        "killedReason": result.killed,
+    })
+
+
+class _TextStreams:
+    """UTF-8 decoding per output stream that never splits a character across two events."""
+
+    def __init__(self) -> None:
+        self._decoders = {
+            kind: codecs.getincrementaldecoder("utf-8")(errors="replace")
+            for kind in (EventType.STDOUT, EventType.STDERR)
+        }
+
+    def render(self, event: SandboxEvent) -> list[dict[str, object]]:
+        out = event.to_json()
+        if event.type in self._decoders and event.data is not None:
+            out["data"] = self._decoders[event.type].decode(event.data)
+            return [out] if out["data"] else []
+        if event.type is EventType.EXIT:  # what is left of a truncated character, then exit
+            tails: list[dict[str, object]] = []
+            for kind, decoder in self._decoders.items():
+                rest = decoder.decode(b"", final=True)
+                if rest:
+                    tails.append({"type": str(kind), "sessionId": event.session_id,
+                                  "execId": event.exec_id, "data": rest})
+            return [*tails, out]
+        return [out]
+
+
+async def _ws_refuse(ws: web.WebSocketResponse, status: int, body: dict[str, Any]) -> None:
+    with contextlib.suppress(ConnectionError):
+        await ws.send_str(json.dumps({"type": "error", **body}))
+    await ws.close(code=WS_CLOSE_BASE + status, message=body["error"].encode()[:120])
+
+
+async def _client_messages(ws: web.WebSocketResponse, execution: Execution) -> None:
+    """Apply stdin / stdinClose / kill messages until the client closes, then kill."""
+    try:
+        async for msg in ws:
+            if msg.type is not WSMsgType.TEXT:
+                continue
+            try:
+                cmd = msgspec.json.decode(msg.data, type=ExecStreamInput)
+                data = _stdin_bytes(cmd.stdin, cmd.stdin_base64)
+            except (msgspec.ValidationError, msgspec.DecodeError, _Refused) as exc:
+                with contextlib.suppress(ConnectionError):
+                    await ws.send_str(json.dumps({"type": "error", "error": "BadRequest",
+                                                  "message": str(exc), "fix": None}))
+                continue
+            with contextlib.suppress(BadSpec, BrokenPipeError, ConnectionResetError):
+                if data:
+                    await execution.write_stdin(data)
+                if cmd.stdin_close:
+                    execution.close_stdin()
+            if cmd.kill:
+                await execution.kill(reason="manual")
+    finally:
+        await execution.kill(reason="disconnected")  # no-op once the command has exited
+
+
+@routes.get("/v1/sandboxes/{id}/exec/ws")
+async def exec_stream(request: web.Request) -> web.StreamResponse:
+    """Run a command, streaming its events; closing the socket kills it."""
+    ws = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, timeout=WS_CLOSE_TIMEOUT_S)
+    await ws.prepare(request)
+    try:
+        state = _state(request)
+        try:
+            async with asyncio.timeout(FIRST_MESSAGE_TIMEOUT_S):
+                first = await ws.receive()
+        except TimeoutError:
+            raise _Refused(408, "Timeout", "no ExecRequest within "
+                           f"{FIRST_MESSAGE_TIMEOUT_S:g} s") from None
+        if first.type is not WSMsgType.TEXT:
+            return ws  # the client went away (or sent something that is not a request)
+        req: ExecRequest = _decode(first.data.encode(), ExecRequest)
+        handle, execution = _prepare(state, request.match_info["id"], req, interactive=True)
+        initial = _stdin_bytes(req.stdin, req.stdin_base64)
+        async with _running(state, handle, execution):
+            texts = _TextStreams()
+            async with asyncio.TaskGroup() as tg:
+                if initial:
+                    tg.create_task(execution.write_stdin(initial), name="initial stdin")
+                client = tg.create_task(_client_messages(ws, execution), name="ws client")
+                async for event in execution:
+                    for frame in texts.render(event):
+                        with contextlib.suppress(ConnectionError):
+                            await ws.send_str(json.dumps(frame))
+                client.cancel()
+    except _Refused as refused:
+        await _ws_refuse(ws, refused.status, refused.body)
+        return ws
+    await ws.close()
+    return ws

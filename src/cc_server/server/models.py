@@ -1,0 +1,167 @@
+"""The API's request and response bodies as msgspec structs: decoded strictly (unknown fields are
+rejected) and published in the OpenAPI document. Response shapes mirror what the runtime's
+`to_json()` methods produce; a unit test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from cc_server.policy import SandboxBackend, SandboxSpec
+from cc_server.runtime.events import EventType, SandboxState
+
+__all__ = [
+    "CreateSandboxRequest",
+    "ErrorBody",
+    "ExecRequest",
+    "ExecResult",
+    "ExecStreamInput",
+    "Health",
+    "KillResult",
+    "SandboxEventView",
+    "SandboxHandleView",
+    "SandboxList",
+    "SandboxViolationView",
+    "TerminalControl",
+    "TerminalSessionView",
+    "WindowSize",
+]
+
+
+class _Body(msgspec.Struct, rename="camel", forbid_unknown_fields=True, frozen=True, kw_only=True):
+    pass
+
+
+class CreateSandboxRequest(_Body, frozen=True):
+    """POST /v1/sandboxes."""
+
+    spec: SandboxSpec  # what to launch; the reference page's SandboxSpec
+    backend: SandboxBackend | None = None  # unspecified: native when the host offers it, else none
+
+
+class CreateSandboxWire(_Body, frozen=True):
+    """CreateSandboxRequest as decoded: the spec is kept raw so parse_spec names its errors."""
+
+    spec: msgspec.Raw
+    backend: str | None = None
+
+
+_Argv = Annotated[list[str], msgspec.Meta(min_length=1, description="Program and arguments")]
+_Timeout = Annotated[float, msgspec.Meta(gt=0, description="Kill the command after this many s")]
+
+
+class ExecRequest(_Body, frozen=True):
+    """POST /v1/sandboxes/{id}/exec, and the first message on the exec WebSocket."""
+
+    argv: _Argv  # the program (searched in the sandbox's PATH) and its arguments
+    env: dict[str, str] | None = None  # the command's exact environment (native adds PATH, HOME)
+    cwd: str | None = None  # absolute working directory; default: the sandbox's workdir
+    stdin: str | None = None  # text written to stdin, then closed (POST) / left open (WebSocket)
+    stdin_base64: str | None = None  # the same, as base64 bytes; not with `stdin`
+    timeout_s: _Timeout | None = None  # kill the command after this many seconds
+
+
+class SandboxViolationView(_Body, frozen=True):
+    """A refused operation (SandboxViolation)."""
+
+    action: str  # the denied verb: file-read*, network-outbound, ...
+    target: str  # path or host:port
+    suggested_capability: str | None  # the capability that would allow it
+    raw: str | None  # the raw log line, for debugging
+
+
+class ExecResult(_Body, frozen=True):
+    """The collected result of POST /v1/sandboxes/{id}/exec."""
+
+    exit_code: int  # the command's exit code; 128+N when killed by signal N
+    stdout: str  # UTF-8, undecodable bytes replaced
+    stderr: str  # UTF-8, undecodable bytes replaced
+    stdout_base64: str  # the exact bytes
+    stderr_base64: str  # the exact bytes
+    violations: list[SandboxViolationView]  # refusals during this command
+    killed: bool  # the host killed the command
+    killed_reason: str | None  # timeout, manual, destroyed, disconnected or shutdown
+
+
+class SandboxHandleView(_Body, frozen=True):
+    """A launched sandbox (SandboxHandle)."""
+
+    session_id: str
+    backend: SandboxBackend  # the backend actually running, never merely the one asked for
+    state: SandboxState
+    error: str | None  # set when state is error
+    details: dict[str, Any]  # adapter bookkeeping (workdir, ...)
+    violations: list[SandboxViolationView]  # every refusal so far
+
+
+class SandboxList(_Body, frozen=True):
+    """GET /v1/sandboxes."""
+
+    sandboxes: list[SandboxHandleView]
+
+
+class SandboxEventView(_Body, frozen=True, omit_defaults=True):
+    """One event on the exec WebSocket (SandboxEvent)."""
+
+    type: EventType
+    session_id: str
+    exec_id: str | None = None
+    data: str | None = None  # stdout / stderr text (UTF-8; a character split across chunks is
+    # delivered whole with the next chunk)
+    exit_code: int | None = None  # exit
+    reason: str | None = None  # killed: timeout, manual, destroyed, disconnected, shutdown
+    violation: SandboxViolationView | None = None  # violation
+
+
+class ExecStreamInput(_Body, frozen=True, omit_defaults=True):
+    """A later client message on the exec WebSocket (any combination, applied in this order)."""
+
+    stdin: str | None = None  # text to write to the command's stdin
+    stdin_base64: str | None = None  # bytes to write, as base64
+    stdin_close: bool = False  # send EOF
+    kill: bool = False  # kill the command (it reports killed, then exit)
+
+
+class KillResult(_Body, frozen=True):
+    """POST /v1/sandboxes/{id}/kill."""
+
+    killed: int  # how many running commands were killed
+
+
+class WindowSize(_Body, frozen=True):
+    """A terminal window size."""
+
+    rows: Annotated[int, msgspec.Meta(ge=1, le=10_000)]
+    cols: Annotated[int, msgspec.Meta(ge=1, le=10_000)]
+
+
+class TerminalControl(_Body, frozen=True, omit_defaults=True):
+    """A JSON text frame on the terminal WebSocket."""
+
+    resize: WindowSize | None = None  # set the PTY's window size (TIOCSWINSZ)
+    input: str | None = None  # text typed into the terminal
+
+
+class TerminalSessionView(_Body, frozen=True):
+    """The first frame of a terminal WebSocket: the session's badge."""
+
+    type: Literal["session"]
+    session_id: str
+    backend: SandboxBackend  # the backend actually running the shell
+    cwd: str | None
+
+
+class ErrorBody(_Body, frozen=True):
+    """Every 4xx/5xx body, and the `error` frame on a WebSocket."""
+
+    error: str  # BadSpec, BackendUnavailable, EnforcementFailed, NotFound, Conflict, ...
+    message: str  # what is wrong
+    fix: str | None = None  # how to fix it
+
+
+class Health(_Body, frozen=True):
+    """GET /healthz. No sandbox field, by design."""
+
+    status: Literal["ok"]

@@ -1,0 +1,195 @@
+"""The OpenAPI 3.1 document the server serves at GET /openapi.json, assembled from the msgspec
+schemas of the spec model and the API's bodies (`server.models`)."""
+
+from __future__ import annotations
+
+from typing import Any, Final
+
+import msgspec
+
+from cc_server import __version__
+from cc_server.server.models import (
+    CreateSandboxRequest,
+    ErrorBody,
+    ExecRequest,
+    ExecResult,
+    ExecStreamInput,
+    Health,
+    KillResult,
+    SandboxEventView,
+    SandboxHandleView,
+    SandboxList,
+    TerminalControl,
+    TerminalSessionView,
+)
+
+__all__ = ["BACKEND_UNAVAILABLE_STATUS", "openapi_document"]
+
+# A backend the host cannot provide is a conflict with the host's state, not a malformed request:
+# the same body succeeds on a host that has the backend. 409, so clients can tell it from a 400.
+BACKEND_UNAVAILABLE_STATUS: Final = 409
+
+_MODELS: Final = (
+    CreateSandboxRequest,
+    ErrorBody,
+    ExecRequest,
+    ExecResult,
+    ExecStreamInput,
+    Health,
+    KillResult,
+    SandboxEventView,
+    SandboxHandleView,
+    SandboxList,
+    TerminalControl,
+    TerminalSessionView,
+)
+_REF = "#/components/schemas/{name}"
+
+
+def _ref(model: type) -> dict[str, str]:
+    return {"$ref": _REF.format(name=model.__name__)}
+
+
+def _json(model: type, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(model)}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    reasons = {
+        400: "malformed body, unknown field, relative path or unknown backend name",
+        401: "missing or wrong bearer token",
+        404: "no live sandbox with this id",
+        409: "the sandbox id is taken, or the requested backend cannot run on this host",
+        500: "the isolation could not be applied (EnforcementFailed); nothing ran",
+        503: "the server is shutting down",
+    }
+    return {str(code): _json(ErrorBody, reasons[code]) for code in codes}
+
+
+_ID_PARAM: Final = {
+    "name": "id", "in": "path", "required": True, "schema": {"type": "string"},
+    "description": "The sandbox's sessionId",
+}
+
+
+def _paths() -> dict[str, Any]:
+    return {
+        "/healthz": {"get": {
+            "summary": "Liveness; needs no token and never touches the probe",
+            "security": [],
+            "responses": {"200": _json(Health, "the server is up")},
+        }},
+        "/v1/sandboxes": {
+            "post": {
+                "summary": "Create a sandbox from a SandboxSpec",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref(CreateSandboxRequest)}}},
+                "responses": {
+                    "201": _json(SandboxHandleView, "created; backend is the one running"),
+                    **_errors(400, 401, 409, 500, 503),
+                },
+            },
+            "get": {
+                "summary": "List live sandboxes",
+                "responses": {"200": _json(SandboxList, "every live sandbox"), **_errors(401)},
+            },
+        },
+        "/v1/sandboxes/{id}": {
+            "parameters": [_ID_PARAM],
+            "get": {
+                "summary": "Inspect a sandbox: state, backend, violations so far",
+                "responses": {"200": _json(SandboxHandleView, "the sandbox"),
+                              **_errors(401, 404)},
+            },
+            "delete": {
+                "summary": "Destroy a sandbox, killing its commands (idempotent)",
+                "responses": {"204": {"description": "destroyed, or was not live"},
+                              **_errors(401)},
+            },
+        },
+        "/v1/sandboxes/{id}/exec": {
+            "parameters": [_ID_PARAM],
+            "post": {
+                "summary": "Run a command and return its collected result",
+                "requestBody": {"required": True, "content": {
+                    "application/json": {"schema": _ref(ExecRequest)}}},
+                "responses": {"200": _json(ExecResult, "the command ran (any exit code)"),
+                              **_errors(400, 401, 404, 409, 500, 503)},
+            },
+        },
+        "/v1/sandboxes/{id}/exec/ws": {
+            "parameters": [_ID_PARAM],
+            "get": {
+                "summary": "Run a command, streaming its events over a WebSocket",
+                "description": (
+                    "Upgrade to a WebSocket (token in the Authorization header or the `token` "
+                    "query parameter). Send one ExecRequest as the first text message; the "
+                    "server then sends every SandboxEventView (starting, ready, stdout, stderr, "
+                    "violation, killed, exit) and closes after exit. Later client messages are "
+                    "ExecStreamInput. Closing the socket kills the command. A refused request "
+                    "gets one ErrorBody message and close code 4000 + its HTTP status."
+                ),
+                "responses": {"101": {"description": "switching to WebSocket"},
+                              **_errors(401, 404)},
+            },
+        },
+        "/v1/sandboxes/{id}/kill": {
+            "parameters": [_ID_PARAM],
+            "post": {
+                "summary": "Kill the sandbox's running commands (the sandbox stays)",
+                "responses": {"200": _json(KillResult, "killed"), **_errors(401, 404)},
+            },
+        },
+        "/v1/terminals": {
+            "get": {
+                "summary": "A terminal session: a shell on a PTY over a WebSocket",
+                "description": (
+                    "Query: backend=none|native (default none: the host shell), cwd=ABSOLUTE "
+                    "(default $HOME), rows, cols. The first server frame is a TerminalSessionView "
+                    "text frame (the badge); then output arrives as binary frames. Client binary "
+                    "frames are input; client text frames are TerminalControl JSON ({resize}, "
+                    "{input}) or, if not JSON, input. When the shell exits the server sends "
+                    '{"type": "exit", "exitCode": N} and closes. A session that cannot start '
+                    "(native on a host without a native backend) gets one ErrorBody frame and "
+                    "close code 4000 + its HTTP status; no shell runs. Closing the socket ends "
+                    "the shell and everything it started."
+                ),
+                "parameters": [
+                    {"name": "backend", "in": "query", "schema": {
+                        "type": "string", "enum": ["none", "native"]}},
+                    {"name": "cwd", "in": "query", "schema": {"type": "string"}},
+                    {"name": "rows", "in": "query", "schema": {"type": "integer"}},
+                    {"name": "cols", "in": "query", "schema": {"type": "integer"}},
+                ],
+                "responses": {"101": {"description": "switching to WebSocket"}, **_errors(401)},
+            },
+        },
+        "/openapi.json": {"get": {
+            "summary": "This document",
+            "responses": {"200": {"description": "OpenAPI 3.1"}, **_errors(401)},
+        }},
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    """The whole document. Raises nothing."""
+    _, components = msgspec.json.schema_components(_MODELS, ref_template=_REF)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "cc-server",
+            "version": __version__,
+            "description": (
+                "Sandboxes for AI-agent commands, and a server-hosted terminal. Every route but "
+                "/healthz needs `Authorization: Bearer <token>`; the token is in the file the "
+                "server names at start. BackendUnavailable answers "
+                f"{BACKEND_UNAVAILABLE_STATUS}."
+            ),
+        },
+        "components": {
+            "schemas": components,
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+        "paths": _paths(),
+    }
