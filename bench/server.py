@@ -1,0 +1,290 @@
+#!/usr/bin/env python3
+"""The server under load, measured against raw bwrap launches in the same run.
+
+Starts a real `cc-server serve`, creates SANDBOXES native sandboxes over the HTTP API and runs
+COMMANDS short commands (`/bin/true`) in each, all sandboxes concurrently (each sandbox's commands
+one after another), every command through the exec WebSocket (or POST .../exec with --via post).
+The same shape of load is also run as raw bwrap launches (the namespaces cc-server uses, around
+/bin/true, no server, no egress bridge) and through the library in this process (the same native
+plan with its egress bridge, no HTTP). Prints, for each: commands/s and the p50/p99 latency from
+the request to the `exit` event, and the server's numbers as a ratio to raw bwrap (and to the
+library, which separates the server's own cost from the sandbox's).
+
+Afterwards every sandbox is destroyed and the client disconnected, and the server's open file
+descriptors and child processes must be back at their idle count (measured after one warm-up
+create/exec/destroy cycle); the bench exits 1 if they are not.
+
+Usage: .venv/bin/python bench/server.py [--sandboxes 50] [--commands 20] [--via ws|post]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+BOOT_TIMEOUT_S = 30.0
+SETTLE_S = 10.0  # how long fds and children may take to return to idle after the load
+
+
+def start_server(work: str, runtime: str) -> tuple[subprocess.Popen[bytes], str, int, str]:
+    log_path = os.path.join(work, "server.log")
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.path.join(work, "home"),
+           "XDG_RUNTIME_DIR": runtime, "LANG": "C.UTF-8"}
+    os.makedirs(env["HOME"], exist_ok=True)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "cc_server.cli", "serve", "--port", "0", "--log-json"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + BOOT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        events = []
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                try:
+                    events.append(json.loads(line))
+                except ValueError:
+                    continue
+        listening = [e for e in events if e.get("event") == "listening"]
+        if listening:
+            token_path = next(e["path"] for e in events if e.get("event") == "token")
+            with open(token_path, encoding="ascii") as f:
+                token = f.read().strip()
+            return proc, log_path, int(listening[0]["port"]), token
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        raise SystemExit(f"the server did not start:\n{f.read()}")
+
+
+def resources(pid: int) -> tuple[int, int]:
+    """(open fds, child processes) of `pid`."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    children: set[str] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/children", encoding="ascii") as f:
+                children.update(f.read().split())
+        except OSError:
+            continue
+    return fds, len(children)
+
+
+def cpu_s(pid: int) -> tuple[float, float]:
+    """(the process's own CPU s, its reaped children's CPU s)."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
+        fields = f.read().rsplit(b")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def percentile(samples: list[float], q: float) -> float:
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+async def run_load(workers: int, per_worker: int,
+                   one: Callable[[int], Awaitable[None]]) -> tuple[float, list[float]]:
+    """`workers` concurrent loops of `per_worker` sequential calls; (wall s, latencies s)."""
+    latencies: list[float] = []
+
+    async def worker(index: int) -> None:
+        for _ in range(per_worker):
+            start = time.perf_counter()
+            await one(index)
+            latencies.append(time.perf_counter() - start)
+
+    start = time.perf_counter()
+    async with asyncio.TaskGroup() as tg:
+        for i in range(workers):
+            tg.create_task(worker(i), name=f"worker {i}")
+    return time.perf_counter() - start, latencies
+
+
+def raw_argv(bwrap: str, work: str) -> list[str]:
+    lib64 = ["--symlink", "usr/lib64", "/lib64"] if os.path.exists("/lib64") else []
+    return [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+            "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--die-with-parent",
+            "--new-session", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr",
+            "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib", *lib64,
+            "--proc", "/proc", "--dev", "/dev", "--bind", work, work, "--", "/bin/true"]
+
+
+async def bench_raw(bwrap: str, work: str, workers: int, per_worker: int
+                    ) -> tuple[float, list[float]]:
+    argv = raw_argv(bwrap, work)
+
+    async def one(_index: int) -> None:
+        proc = await asyncio.create_subprocess_exec(*argv, stdin=subprocess.DEVNULL,
+                                                    stdout=subprocess.DEVNULL, env={})
+        assert await proc.wait() == 0
+
+    return await run_load(workers, per_worker, one)
+
+
+async def bench_server(url: str, token: str, work: str, workers: int, per_worker: int,
+                       via: str) -> tuple[float, float, list[float]]:
+    headers = {"Authorization": f"Bearer {token}"}
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(url, headers=headers, connector=connector) as client:
+        ids = [f"bench-{i}" for i in range(workers)]
+
+        async def create(session_id: str) -> None:
+            async with client.post("/v1/sandboxes", json={"spec": {
+                "sessionId": session_id, "workspaceId": "bench",
+                "bindMounts": [{"hostPath": work}]}}) as response:
+                assert response.status == 201, await response.text()
+
+        start = time.perf_counter()
+        await asyncio.gather(*(create(i) for i in ids))
+        create_s = time.perf_counter() - start
+
+        async def one_ws(index: int) -> None:
+            async with client.ws_connect(f"/v1/sandboxes/{ids[index]}/exec/ws") as ws:
+                await ws.send_json({"argv": ["/bin/true"]})
+                async for msg in ws:
+                    event = msg.json()
+                    if event["type"] == "exit":
+                        assert event["exitCode"] == 0, event
+                        return
+            raise AssertionError("no exit event")
+
+        async def one_post(index: int) -> None:
+            async with client.post(f"/v1/sandboxes/{ids[index]}/exec",
+                                   json={"argv": ["/bin/true"]}) as response:
+                assert (await response.json())["exitCode"] == 0
+
+        wall, latencies = await run_load(workers, per_worker,
+                                         one_ws if via == "ws" else one_post)
+        await asyncio.gather(*(client.delete(f"/v1/sandboxes/{i}") for i in ids))
+    return create_s, wall, latencies
+
+
+async def bench_library(work: str, workers: int, per_worker: int) -> tuple[float, list[float]]:
+    from cc_server.backends.probe import probe
+    from cc_server.policy import HostFacts, parse_spec
+    from cc_server.runtime.handle import run_collect
+    from cc_server.runtime.port import SandboxManager
+
+    manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
+    try:
+        handles = [manager.launch(parse_spec({
+            "sessionId": f"lib-{i}", "workspaceId": "bench", "bindMounts": [{"hostPath": work}],
+        })) for i in range(workers)]
+
+        async def one(index: int) -> None:
+            result = await run_collect(handles[index], ["/bin/true"])
+            assert result.exit_code == 0, result
+
+        return await run_load(workers, per_worker, one)
+    finally:
+        await manager.aclose()
+
+
+async def warm_up(url: str, token: str, work: str) -> None:
+    await bench_server(url, token, work, 1, 1, "ws")
+
+
+async def steady(pid: int) -> tuple[int, int]:
+    """The server's resources once they stop changing (three equal samples 0.2 s apart)."""
+    samples = [resources(pid)]
+    deadline = time.monotonic() + SETTLE_S
+    while (len(samples) < 3 or len(set(samples[-3:])) > 1) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        samples.append(resources(pid))
+    return samples[-1]
+
+
+async def settle(pid: int, idle: tuple[int, int]) -> tuple[int, int]:
+    deadline = time.monotonic() + SETTLE_S
+    now = resources(pid)
+    while now != idle and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+        now = resources(pid)
+    return now
+
+
+async def main_async(args: argparse.Namespace) -> int:
+    bwrap = shutil.which("bwrap")
+    if bwrap is None:
+        print("bwrap is not installed (scripts/bootstrap installs it)", file=sys.stderr)
+        return 1
+    work = tempfile.mkdtemp(prefix="cc-bench-server-")
+    runtime = tempfile.mkdtemp(prefix="ccb-", dir="/tmp")
+    proc, _log_path, port, token = start_server(work, runtime)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await warm_up(url, token, work)
+        idle = await steady(proc.pid)
+        n = args.sandboxes * args.commands
+
+        raw_wall, raw_lat = await bench_raw(bwrap, work, args.sandboxes, args.commands)
+        lib_wall, lib_lat = await bench_library(work, args.sandboxes, args.commands)
+        cpu_before = cpu_s(proc.pid)
+        create_s, srv_wall, srv_lat = await bench_server(
+            url, token, work, args.sandboxes, args.commands, args.via)
+        cpu_after = cpu_s(proc.pid)
+        after = await settle(proc.pid, idle)
+
+        raw_rate, lib_rate, srv_rate = n / raw_wall, n / lib_wall, n / srv_wall
+        rows = [
+            ("raw bwrap", raw_rate, percentile(raw_lat, 0.5), percentile(raw_lat, 0.99)),
+            ("library", lib_rate, percentile(lib_lat, 0.5), percentile(lib_lat, 0.99)),
+            (f"server ({args.via})", srv_rate, percentile(srv_lat, 0.5),
+             percentile(srv_lat, 0.99)),
+        ]
+        print(f"{args.sandboxes} sandboxes x {args.commands} commands = {n} commands, "
+              f"{args.sandboxes} concurrent; {os.cpu_count()} CPUs")
+        print(f"created {args.sandboxes} sandboxes in {create_s * 1000:.0f} ms")
+        print(f"{'':16} {'commands/s':>11} {'p50 ms':>8} {'p99 ms':>8}")
+        for name, rate, p50, p99 in rows:
+            print(f"{name:16} {rate:11.1f} {p50 * 1000:8.1f} {p99 * 1000:8.1f}")
+        print(f"{'server/raw':16} {srv_rate / raw_rate:11.2f} "
+              f"{percentile(srv_lat, 0.5) / percentile(raw_lat, 0.5):8.2f} "
+              f"{percentile(srv_lat, 0.99) / percentile(raw_lat, 0.99):8.2f}"
+              "   (throughput ratio; latency ratios)")
+        print(f"{'server/library':16} {srv_rate / lib_rate:11.2f} "
+              f"{percentile(srv_lat, 0.5) / percentile(lib_lat, 0.5):8.2f} "
+              f"{percentile(srv_lat, 0.99) / percentile(lib_lat, 0.99):8.2f}")
+        print(f"mean latency: raw {statistics.mean(raw_lat) * 1000:.1f} ms, "
+              f"server {statistics.mean(srv_lat) * 1000:.1f} ms")
+        print(f"server CPU per command: {(cpu_after[0] - cpu_before[0]) / n * 1000:.1f} ms in "
+              f"the server process, {(cpu_after[1] - cpu_before[1]) / n * 1000:.1f} ms in its "
+              "sandboxes (bwrap, socat bridge, command)")
+        back = after == idle
+        print(f"server fds/children: idle {idle[0]}/{idle[1]}, after {after[0]}/{after[1]} "
+              f"({'back to idle' if back else 'NOT back to idle'})")
+        return 0 if back else 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sandboxes", type=int, default=50)
+    parser.add_argument("--commands", type=int, default=20, help="per sandbox")
+    parser.add_argument("--via", choices=["ws", "post"], default="ws")
+    return asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
