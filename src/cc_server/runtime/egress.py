@@ -17,7 +17,7 @@ import shutil
 import stat
 import tempfile
 from collections.abc import Callable, Mapping
-from typing import Final
+from typing import Final, Protocol
 
 from cc_server.backends.plan import EgressBridge
 from cc_server.egress.driver import (
@@ -31,7 +31,19 @@ from cc_server.egress.patterns import Allowlist
 from cc_server.errors import EnforcementFailed
 from cc_server.runtime.events import SandboxViolation
 
-__all__ = ["SessionEgress", "egress_base_dir", "remove_stale_session_dirs"]
+__all__ = ["Monitor", "SessionEgress", "egress_base_dir", "remove_stale_session_dirs"]
+
+
+class Monitor(Protocol):
+    """A backend's violation monitor (macOS: runtime.seatbelt_monitor)."""
+
+    async def start(self) -> None:
+        """Start watching; raise EnforcementFailed if it cannot."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop watching. Idempotent."""
+        ...
 
 _SESSION_DIR = re.compile(r"^egress-(?P<pid>\d+)-[0-9a-f]{16}$")
 BASE_DIR_NAME: Final = "cc-server"
@@ -110,13 +122,20 @@ class SessionEgress:
         on_violation: Callable[[SandboxViolation], None],
         base_dir: str,
         resolver: Resolver | None = None,
+        tcp: bool = False,
+        monitor: Monitor | None = None,
     ) -> None:
+        """`tcp`: the proxies also listen on loopback TCP, for a sandbox that shares the host's
+        loopback (macOS); `monitor`: the backend's violation monitor, started and stopped with
+        the proxies."""
         self.session_id = session_id
         self.allowlist = allowlist
         self._suggest = suggest
         self._on_violation = on_violation
         self._base_dir = base_dir
         self._resolver = resolver
+        self._tcp = tcp
+        self._monitor = monitor
         self._dir: str | None = None
         self._proxies: SessionProxies | None = None
         self._closed = False
@@ -150,30 +169,43 @@ class SessionEgress:
                 self._base_dir, f"egress-{os.getpid()}-{secrets.token_hex(8)}"
             )
             os.mkdir(directory, 0o700)
+            proxies: SessionProxies | None = None
             try:
-                self._proxies = await start_session_proxies(
+                proxies = await start_session_proxies(
                     ProxyParams(
                         session_id=self.session_id,
                         allowlist=self.allowlist,
                         on_refused=self._refused,
                         suggest=self._suggest,
                         socket_dir=directory,
-                        listen_tcp=False,  # the sandbox comes in through the sockets only
+                        # On Linux the sandbox comes in through the sockets only.
+                        listen_tcp=self._tcp,
                         resolver=self._resolver,
                     )
                 )
+                if self._monitor is not None:
+                    await self._monitor.start()
             except BaseException:
+                if proxies is not None:
+                    await proxies.aclose()
                 shutil.rmtree(directory, ignore_errors=True)
                 raise
-            self._dir = directory
-        assert self._dir is not None
-        return EgressBridge(socket_dir=self._dir, base_dir=self._base_dir)
+            self._proxies, self._dir = proxies, directory
+        assert self._dir is not None and self._proxies is not None
+        return EgressBridge(
+            socket_dir=self._dir,
+            base_dir=self._base_dir,
+            http_port=self._proxies.http_port,
+            socks_port=self._proxies.socks_port,
+        )
 
     async def aclose(self) -> None:
         """Stop the proxies and remove the socket directory. Idempotent."""
         self._closed = True
         proxies, self._proxies = self._proxies, None
         try:
+            if self._monitor is not None:
+                await self._monitor.aclose()
             if proxies is not None:
                 await proxies.aclose()
         finally:

@@ -28,6 +28,7 @@ from cc_server.policy import (
 from cc_server.runtime.egress import SessionEgress, egress_base_dir, remove_stale_session_dirs
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import SandboxHandle
+from cc_server.runtime.seatbelt_monitor import SeatbeltMonitor
 from cc_server.runtime.select import choose_backend, planner_for
 
 __all__ = ["NativeSandboxAdapter", "NoSandboxAdapter", "SandboxManager", "SandboxPort"]
@@ -55,6 +56,7 @@ def _launch(
     deny_create_globs: Iterable[str],
     egress_base: str | None = None,
     egress_resolver: Resolver | None = None,
+    mechanism: str | None = None,
 ) -> SandboxHandle:
     policy = compile_policy(spec, host, deny_create_globs=deny_create_globs)
     allowlist = allowlist_for(spec) if egress_base is not None else None
@@ -62,13 +64,24 @@ def _launch(
         session_id=spec.session_id, backend=backend, policy=policy, planner=planner
     )
     if egress_base is not None and allowlist is not None:
+
+        def suggest(host_name: str) -> str | None:
+            return suggested_capability(host_name, spec)
+
+        seatbelt = mechanism == "seatbelt"  # shares the host loopback; denials in the unified log
         handle.egress = SessionEgress(
             session_id=spec.session_id,
             allowlist=allowlist,
-            suggest=lambda host_name: suggested_capability(host_name, spec),
+            suggest=suggest,
             on_violation=handle.record_violation,
             base_dir=egress_base,
             resolver=egress_resolver,
+            tcp=seatbelt,
+            monitor=SeatbeltMonitor(
+                session_id=spec.session_id, suggest=suggest, on_violation=handle.record_violation
+            )
+            if seatbelt
+            else None,
         )
     try:
         # A dry plan at launch: a policy the backend cannot enforce fails here, before any exec.
@@ -141,9 +154,17 @@ class NativeSandboxAdapter:
                 directory is not private.
         """
         planner = planner_for(self.backend, self.probe_result, self.host)
-        base = self.egress_base() if self.probe_result.mechanism == "bubblewrap" else None
+        mechanism = self.probe_result.mechanism
+        base = self.egress_base() if mechanism in ("bubblewrap", "seatbelt") else None
         return _launch(
-            spec, self.host, self.backend, planner, deny_create_globs, base, self.egress_resolver
+            spec,
+            self.host,
+            self.backend,
+            planner,
+            deny_create_globs,
+            base,
+            self.egress_resolver,
+            mechanism,
         )
 
 

@@ -1,0 +1,130 @@
+"""The macOS runtime wiring, exercised here with recorded `log stream` output: the monitor turns
+a session's Seatbelt denials into violations, and a session's egress on macOS listens on loopback
+TCP for the profile's proxy ports. Nothing here needs a Mac; what does is in docs/macos.md."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from cc_server.backends.seatbelt import message_for, session_tag_for
+from cc_server.egress.patterns import Allowlist
+from cc_server.errors import EnforcementFailed
+from cc_server.runtime.egress import SessionEgress, egress_base_dir
+from cc_server.runtime.events import SandboxViolation
+from cc_server.runtime.seatbelt_monitor import SeatbeltMonitor
+
+SESSION = "mac-session"
+
+
+@pytest.fixture
+def runtime_dir() -> Iterator[str]:
+    """A short private directory: Unix socket paths must stay under 108 bytes."""
+    path = tempfile.mkdtemp(prefix="ccm-", dir="/tmp")
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def record(message: str, pid: int = 0) -> str:
+    return json.dumps(
+        {
+            "eventType": "logEvent",
+            "processID": pid,
+            "processImagePath": "/kernel",
+            "eventMessage": message,
+        }
+    )
+
+
+def fake_log(tmp_path: Path, lines: list[str]) -> list[str]:
+    recorded = tmp_path / "log.ndjson"
+    recorded.write_text("".join(line + "\n" for line in lines))
+    return ["/bin/cat", str(recorded)]
+
+
+async def test_the_monitor_reports_the_sessions_denials_only(tmp_path: Path) -> None:
+    mine = message_for(session_tag_for(SESSION))
+    theirs = message_for(session_tag_for("another-session"))
+    lines = [
+        record(f"Sandbox: cat(4242) deny(1) file-read-data /Users/dev/.ssh/id_ed25519\n{mine}"),
+        record(f"Sandbox: cat(4243) deny(1) file-read-data /Users/dev/.aws/config\n{theirs}"),
+        record(f"Sandbox: curl(77) deny(1) network-outbound 93.184.216.34:443\n{mine}"),
+        record(f"Sandbox: evil(9) deny(1) file-read-data /forged\n{mine}", pid=9),  # not the kernel
+    ]
+    seen: list[SandboxViolation] = []
+    monitor = SeatbeltMonitor(
+        session_id=SESSION,
+        suggest=lambda host: None,
+        on_violation=seen.append,
+        log_argv=fake_log(tmp_path, lines),
+    )
+    await monitor.start()
+    await monitor.drain()
+    await monitor.aclose()
+    await monitor.aclose()  # idempotent
+    assert [(v.action, v.target) for v in seen] == [
+        ("file-read-data", "/Users/dev/.ssh/id_ed25519"),
+        ("network-outbound", "93.184.216.34:443"),
+    ]
+
+
+async def test_a_monitor_that_cannot_start_keeps_the_command_from_running(
+    tmp_path: Path, runtime_dir: str
+) -> None:
+    base = egress_base_dir({"XDG_RUNTIME_DIR": runtime_dir})
+    monitor = SeatbeltMonitor(
+        session_id=SESSION,
+        suggest=lambda host: None,
+        on_violation=lambda v: None,
+        log_argv=[str(tmp_path / "no-such-log")],
+    )
+    egress = SessionEgress(
+        session_id=SESSION,
+        allowlist=Allowlist(patterns=(), denied=()),
+        suggest=lambda host: None,
+        on_violation=lambda v: None,
+        base_dir=base,
+        tcp=True,
+        monitor=monitor,
+    )
+    with pytest.raises(EnforcementFailed, match="could not start"):
+        await egress.start()
+    assert os.listdir(base) == []  # no socket directory left behind
+    await egress.aclose()
+
+
+async def test_macos_egress_listens_on_loopback_tcp_and_hands_the_ports_over(
+    runtime_dir: str,
+) -> None:
+    base = egress_base_dir({"XDG_RUNTIME_DIR": runtime_dir})
+    monitor = SeatbeltMonitor(
+        session_id=SESSION,
+        suggest=lambda host: None,
+        on_violation=lambda v: None,
+        log_argv=["/bin/sh", "-c", "exec sleep 30 " + shlex.quote("cc-monitor-test")],
+    )
+    egress = SessionEgress(
+        session_id=SESSION,
+        allowlist=Allowlist(patterns=(), denied=()),
+        suggest=lambda host: None,
+        on_violation=lambda v: None,
+        base_dir=base,
+        tcp=True,
+        monitor=monitor,
+    )
+    bridge = await egress.start()
+    try:
+        assert bridge.http_port and bridge.socks_port
+        assert bridge.base_dir == base
+    finally:
+        await egress.aclose()
+    assert os.listdir(base) == []
