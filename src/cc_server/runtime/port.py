@@ -6,6 +6,7 @@ and owns every live handle.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
@@ -14,6 +15,7 @@ from typing import Protocol
 from cc_server.backends.bubblewrap import plan_bubblewrap
 from cc_server.backends.plan import Command, Planner
 from cc_server.backends.probe import ProbeResult
+from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.egress.driver import Resolver
 from cc_server.egress.resolver import allowlist_for, suggested_capability
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
@@ -245,10 +247,19 @@ class SandboxManager:
                 new_session=False,
                 share_net=True,
             )
+        elif self.probe_result.mechanism == "seatbelt" and self.host.platform is Platform.MACOS:
+            # The same profile under Seatbelt: its network is open, so no proxies either.
+            planner = partial(
+                plan_seatbelt,
+                host=self.host,
+                sandbox_exec=self.probe_result.tools["sandbox-exec"],
+                temp_dir=darwin_user_temp_dir(os.environ),
+                share_net=True,
+            )
         else:
             raise BackendUnavailable(
                 f"the native terminal profile is not built for {self.probe_result.mechanism}",
-                fix="ask for backend 'none', or use a Linux host with bubblewrap",
+                fix="ask for backend 'none', or use macOS or a Linux host with bubblewrap",
             )
         handle = SandboxHandle(
             session_id=policy.session_id, backend=chosen, policy=policy, planner=planner

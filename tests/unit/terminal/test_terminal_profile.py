@@ -152,10 +152,25 @@ def test_native_terminal_without_a_backend_fails_loudly() -> None:
     assert none.backend is SandboxBackend.NONE
 
 
-def test_a_mechanism_without_a_terminal_plan_fails_loudly() -> None:
+def test_macos_native_terminal_plans_seatbelt_with_open_network() -> None:
     h = host(platform=Platform.MACOS)
     seatbelt = ProbeResult(platform=Platform.MACOS, available=True, mechanism="seatbelt",
                            note="n", tools={"sandbox-exec": "/usr/bin/sandbox-exec"})
     manager = SandboxManager(probe_result=seatbelt, host=h)
+    handle = manager.launch_terminal(terminal_policy("t1", "/work", h),
+                                     backend=SandboxBackend.NATIVE)
+    assert handle.backend is SandboxBackend.NATIVE and handle.egress is None
+    plan = handle.plan(Command(argv=("/bin/zsh",)))
+    argv = [str(a) for a in plan.argv]
+    assert argv[0] == "/usr/bin/sandbox-exec"
+    profile = argv[argv.index("-p") + 1]
+    assert '(deny network' not in profile, profile  # the terminal profile's network is open
+
+
+def test_a_mechanism_without_a_terminal_plan_fails_loudly() -> None:
+    h = host(platform=Platform.WINDOWS)
+    odd = ProbeResult(platform=Platform.WINDOWS, available=True, mechanism="seatbelt",
+                      note="n", tools={"sandbox-exec": "/usr/bin/sandbox-exec"})
+    manager = SandboxManager(probe_result=odd, host=h)
     with pytest.raises(BackendUnavailable, match="terminal profile"):
         manager.launch_terminal(terminal_policy("t1", "/work", h), backend=SandboxBackend.NATIVE)
