@@ -1,0 +1,348 @@
+/*
+ * cc-create-launcher: the last step inside a bubblewrap sandbox before the command runs.
+ *
+ *   cc-create-launcher --filter FD --socket FD -- COMMAND [ARGS...]
+ *   cc-create-launcher --selftest
+ *
+ * It installs the create-rule filter (classic BPF read from FD, built by the server with
+ * libseccomp) with SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV,
+ * sends the listener over the Unix socket to the server's supervisor, closes the listener, the
+ * socket and the filter fd, and only then runs COMMAND. The command never holds a listener, so
+ * it can never answer its own notifications.
+ *
+ * bwrap's own --seccomp cannot return a listener, and libseccomp 2.5 cannot set
+ * WAIT_KILLABLE_RECV (without it a signal during a create makes the create run twice), so the
+ * filter is loaded here with seccomp(2) directly.
+ *
+ * When it runs as PID 1 of the sandbox (bwrap --as-pid-1), it stays as the namespace's reaper:
+ * it forks COMMAND, reaps every orphan, and exits with COMMAND's status (128+N for signal N).
+ * Every process in the sandbox therefore carries the filter; bwrap's own reaper, which did not,
+ * is not there to be ptraced into creating names.
+ *
+ * Any failure before the exec exits 125 with a message on stderr: the command never runs
+ * without its filter.
+ *
+ * --selftest checks, in a forked child, that this kernel accepts NEW_LISTENER with
+ * WAIT_KILLABLE_RECV (5.19+) and answers with SECCOMP_IOCTL_NOTIF_ADDFD | ADDFD_FLAG_SEND
+ * (5.14+); it prints "ok" and exits 0, or prints what is missing and exits 1.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/audit.h>
+#include <linux/capability.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#ifndef SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV
+#define SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV (1UL << 5)
+#endif
+#ifndef SECCOMP_ADDFD_FLAG_SEND
+#define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
+#endif
+
+#define EXIT_NOT_RUN 125
+#define MAX_FILTER_INSNS 4096 /* BPF_MAXINSNS */
+#define SELFTEST_TIMEOUT_MS 5000
+
+static void die(const char *what) {
+    fprintf(stderr, "cc-create-launcher: %s: %s; the command was not run\n", what,
+            strerror(errno));
+    _exit(EXIT_NOT_RUN);
+}
+
+static void die_msg(const char *what) {
+    fprintf(stderr, "cc-create-launcher: %s; the command was not run\n", what);
+    _exit(EXIT_NOT_RUN);
+}
+
+static int parse_fd(const char *text) {
+    char *end;
+    errno = 0;
+    long v = strtol(text, &end, 10);
+    if (errno || *text == '\0' || *end != '\0' || v < 0 || v > 65535)
+        die_msg("an fd argument is not a number");
+    return (int)v;
+}
+
+static int install_filter(struct sock_fprog *prog) {
+    return (int)syscall(SYS_seccomp, SECCOMP_SET_MODE_FILTER,
+                        SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV,
+                        prog);
+}
+
+static int send_fd(int sock, int fd) {
+    char byte = 'L';
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    union {
+        struct cmsghdr hdr;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } control;
+    memset(&control, 0, sizeof control);
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    cmsg->cmsg_level = SOL_SOCKET;
+    cmsg->cmsg_type = SCM_RIGHTS;
+    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
+    ssize_t n;
+    do {
+        n = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+    return n == 1 ? 0 : -1;
+}
+
+static int recv_fd(int sock) {
+    char byte;
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    union {
+        struct cmsghdr hdr;
+        char buf[CMSG_SPACE(sizeof(int))];
+    } control;
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    if (recvmsg(sock, &msg, MSG_CMSG_CLOEXEC) != 1)
+        return -1;
+    struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
+    if (!cmsg || cmsg->cmsg_type != SCM_RIGHTS || cmsg->cmsg_len != CMSG_LEN(sizeof(int)))
+        return -1;
+    int fd;
+    memcpy(&fd, CMSG_DATA(cmsg), sizeof fd);
+    return fd;
+}
+
+/* The filter as the server exported it: whole BPF instructions, at most BPF_MAXINSNS. */
+static struct sock_fprog read_filter(int fd) {
+    struct stat st;
+    if (fstat(fd, &st) < 0)
+        die("cannot stat the filter fd");
+    if (st.st_size <= 0 || st.st_size % sizeof(struct sock_filter) != 0 ||
+        st.st_size > (off_t)(MAX_FILTER_INSNS * sizeof(struct sock_filter)))
+        die_msg("the filter fd does not hold a BPF program");
+    struct sock_filter *insns = malloc((size_t)st.st_size);
+    if (!insns)
+        die("out of memory");
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+        ssize_t n = pread(fd, (char *)insns + got, (size_t)st.st_size - got, (off_t)got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            die("cannot read the filter");
+        got += (size_t)n;
+    }
+    struct sock_fprog prog = {.len = (unsigned short)(st.st_size / sizeof(struct sock_filter)),
+                              .filter = insns};
+    return prog;
+}
+
+/* PID 1: run COMMAND as a child, reap everything, exit with COMMAND's status. */
+static int run_as_init(char **argv) {
+    pid_t child = fork();
+    if (child < 0)
+        die("fork");
+    if (child == 0) {
+        execvp(argv[0], argv);
+        int code = errno == ENOENT ? 127 : 126;
+        fprintf(stderr, "cc-create-launcher: cannot run %s: %s\n", argv[0], strerror(errno));
+        _exit(code);
+    }
+    for (;;) {
+        int status;
+        pid_t pid = waitpid(-1, &status, 0);
+        if (pid < 0) {
+            if (errno == EINTR)
+                continue;
+            _exit(EXIT_NOT_RUN); /* ECHILD before the command was reaped: cannot happen */
+        }
+        if (pid != child)
+            continue;
+        if (WIFEXITED(status))
+            _exit(WEXITSTATUS(status));
+        if (WIFSIGNALED(status))
+            _exit(128 + WTERMSIG(status));
+    }
+}
+
+/* --- selftest ------------------------------------------------------------------------------ */
+
+#if defined(__x86_64__)
+#define SELFTEST_ARCH AUDIT_ARCH_X86_64
+#elif defined(__aarch64__)
+#define SELFTEST_ARCH AUDIT_ARCH_AARCH64
+#else
+#error "cc-create-launcher: unsupported architecture"
+#endif
+
+static int selftest(void) {
+    struct seccomp_notif_sizes sizes;
+    if (syscall(SYS_seccomp, SECCOMP_GET_NOTIF_SIZES, 0, &sizes) < 0) {
+        printf("seccomp user notification is not supported by this kernel (%s); "
+               "it needs Linux 5.19 or newer\n", strerror(errno));
+        return 1;
+    }
+    if (sizes.seccomp_notif != sizeof(struct seccomp_notif) ||
+        sizes.seccomp_notif_resp != sizeof(struct seccomp_notif_resp)) {
+        printf("the kernel's seccomp notification sizes (%u/%u) differ from this build's\n",
+               sizes.seccomp_notif, sizes.seccomp_notif_resp);
+        return 1;
+    }
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, sv) < 0) {
+        printf("socketpair: %s\n", strerror(errno));
+        return 1;
+    }
+    pid_t child = fork();
+    if (child < 0) {
+        printf("fork: %s\n", strerror(errno));
+        return 1;
+    }
+    if (child == 0) {
+        /* Trap getppid only; its notification is answered with an injected fd. */
+        struct sock_filter insns[] = {
+            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, arch)),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SELFTEST_ARCH, 0, 3),
+            BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+            BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, SYS_getppid, 0, 1),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_USER_NOTIF),
+            BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+        };
+        struct sock_fprog prog = {.len = sizeof insns / sizeof insns[0], .filter = insns};
+        close(sv[0]);
+        if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+            _exit(2);
+        int listener = install_filter(&prog);
+        if (listener < 0)
+            _exit(errno == EINVAL ? 3 : 2);
+        if (send_fd(sv[1], listener) < 0)
+            _exit(2);
+        close(listener);
+        long fd = syscall(SYS_getppid);
+        struct stat st;
+        if (fd < 0 || fstat((int)fd, &st) < 0 || !S_ISCHR(st.st_mode))
+            _exit(4);
+        _exit(0);
+    }
+    close(sv[1]);
+    int result = 1;
+    int listener = -1;
+    int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    struct pollfd pfd = {.fd = sv[0], .events = POLLIN};
+    if (devnull < 0) {
+        printf("open /dev/null: %s\n", strerror(errno));
+        goto out;
+    }
+    if (poll(&pfd, 1, SELFTEST_TIMEOUT_MS) != 1 || (listener = recv_fd(sv[0])) < 0)
+        goto reap; /* the child failed to install the filter: its exit code says why */
+    pfd.fd = listener;
+    if (poll(&pfd, 1, SELFTEST_TIMEOUT_MS) != 1) {
+        printf("no seccomp notification arrived within %d ms\n", SELFTEST_TIMEOUT_MS);
+        goto out;
+    }
+    struct seccomp_notif notif;
+    memset(&notif, 0, sizeof notif);
+    if (ioctl(listener, SECCOMP_IOCTL_NOTIF_RECV, &notif) < 0) {
+        printf("SECCOMP_IOCTL_NOTIF_RECV: %s\n", strerror(errno));
+        goto out;
+    }
+    struct seccomp_notif_addfd addfd = {
+        .id = notif.id, .flags = SECCOMP_ADDFD_FLAG_SEND, .srcfd = (unsigned)devnull};
+    if (ioctl(listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd) < 0) {
+        printf("SECCOMP_IOCTL_NOTIF_ADDFD with ADDFD_FLAG_SEND failed (%s); it needs Linux "
+               "5.14 or newer\n", strerror(errno));
+        goto out;
+    }
+reap:;
+    int status;
+    while (waitpid(child, &status, 0) < 0 && errno == EINTR) {
+    }
+    child = -1;
+    if (WIFEXITED(status) && WEXITSTATUS(status) == 0) {
+        result = 0;
+        printf("ok\n");
+    } else if (WIFEXITED(status) && WEXITSTATUS(status) == 3) {
+        printf("the kernel refused SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV; it needs Linux "
+               "5.19 or newer\n");
+    } else if (WIFEXITED(status) && WEXITSTATUS(status) == 4) {
+        printf("the injected fd did not arrive in the notifying process\n");
+    } else {
+        printf("installing a seccomp filter with a listener failed (status %d)\n", status);
+    }
+out:
+    if (child > 0) {
+        kill(child, SIGKILL);
+        waitpid(child, NULL, 0);
+    }
+    return result;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "--selftest") == 0)
+        return selftest();
+    int filter_fd = -1, sock_fd = -1, i = 1;
+    for (; i < argc; i++) {
+        if (strcmp(argv[i], "--") == 0) {
+            i++;
+            break;
+        }
+        if (i + 1 >= argc)
+            die_msg("usage: cc-create-launcher --filter FD --socket FD -- COMMAND [ARGS...]");
+        if (strcmp(argv[i], "--filter") == 0)
+            filter_fd = parse_fd(argv[++i]);
+        else if (strcmp(argv[i], "--socket") == 0)
+            sock_fd = parse_fd(argv[++i]);
+        else
+            die_msg("unknown option");
+    }
+    if (filter_fd < 0 || sock_fd < 0 || i >= argc)
+        die_msg("usage: cc-create-launcher --filter FD --socket FD -- COMMAND [ARGS...]");
+
+    struct sock_fprog prog = read_filter(filter_fd);
+    /* A core file is a name the kernel creates without a syscall: none, ever. */
+    struct rlimit no_core = {0, 0};
+    if (setrlimit(RLIMIT_CORE, &no_core) < 0)
+        die("setrlimit(RLIMIT_CORE)");
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        die("prctl(PR_SET_NO_NEW_PRIVS)");
+    /* No capabilities, now or after exec (no_new_privs keeps a root exec from regaining them):
+     * bwrap --cap-drop ALL already did this; here it is checked, and the supervisor, which
+     * has none either, can never be asked to act for a task more privileged than itself. */
+    struct __user_cap_header_struct cap_hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct no_caps[2];
+    memset(no_caps, 0, sizeof no_caps);
+    if (syscall(SYS_capset, &cap_hdr, no_caps) < 0)
+        die("capset");
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+        die("prctl(PR_CAP_AMBIENT_CLEAR_ALL)");
+    int listener = install_filter(&prog);
+    if (listener < 0)
+        die("seccomp(SECCOMP_SET_MODE_FILTER, NEW_LISTENER|WAIT_KILLABLE_RECV)");
+    free(prog.filter);
+    if (send_fd(sock_fd, listener) < 0)
+        die("cannot hand the listener to the supervisor");
+    /* From here on nothing in the sandbox holds the listener. */
+    if (close(listener) < 0 || close(sock_fd) < 0 || close(filter_fd) < 0)
+        die("close");
+    if (getpid() == 1)
+        return run_as_init(&argv[i]);
+    execvp(argv[i], &argv[i]);
+    int code = errno == ENOENT ? 127 : 126;
+    fprintf(stderr, "cc-create-launcher: cannot run %s: %s\n", argv[i], strerror(errno));
+    return code;
+}

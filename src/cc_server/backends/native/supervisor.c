@@ -1,0 +1,1659 @@
+/*
+ * libcc-create-supervisor: decides every syscall of a sandbox that can bring a new name into
+ * existence, from seccomp user notifications. Loaded into the server process with ctypes; its
+ * worker threads never run Python.
+ *
+ * The one rule: a name matching one of the session's globs is never created. Everything else
+ * the process asked for is done for it, in its view of the filesystem, and the result handed
+ * back. The supervisor never answers SECCOMP_USER_NOTIF_FLAG_CONTINUE: the kernel would then
+ * re-read memory the process can still change after the check.
+ *
+ * Per notification (see handle()):
+ *   1. open /proc/<tid> of the trapping thread and read its status (umask, fsuid, fsgid,
+ *      groups, pids in its own namespace); copy the path strings with process_vm_readv;
+ *      then SECCOMP_IOCTL_NOTIF_ID_VALID: the fd and the bytes belong to the live task.
+ *      From here on only the copies are used.
+ *   2. resolve each path ourselves, component by component, with O_PATH|O_NOFOLLOW fds,
+ *      starting at the thread's root, cwd or fd (from /proc/<tid>), so the walk stays in the
+ *      sandbox's mounts: symlinks are spliced in by hand (at most 40; absolute ones restart at
+ *      the sandbox's root), ".." never climbs above that root, procfs "self" and "thread-self"
+ *      are the trapping task, other procfs links are the kernel's to follow. The result is a
+ *      pinned parent directory fd and the final name, which is the name that is checked and
+ *      the only name the emulation can create (every *at call below uses that fd and name, and
+ *      opens add O_NOFOLLOW).
+ *   3. emulate: openat (then SECCOMP_IOCTL_NOTIF_ADDFD with ADDFD_FLAG_SEND), renameat2,
+ *      linkat, symlinkat, mknodat, mkdirat, bind (on the process's own socket, fetched with
+ *      pidfd_getfd). A refused name gets EACCES and one "refused" record on the report pipe.
+ *
+ * Credentials: worker threads drop every capability (per-thread, permanently) and keep the
+ * server's uid and gids, which are the sandbox's own (bwrap maps exactly one uid and gid); a
+ * notification from a task whose fsuid, fsgid or groups differ is refused. Each worker has its
+ * own fs_struct (unshare(CLONE_FS)) so it can take on the process's umask.
+ *
+ * Threads: NWORKERS workers take turns as leader (poll + RECV under one mutex, then handle
+ * outside it). An open of an existing FIFO that would block is finished by a detached helper
+ * thread, so no FIFO can stall the workers; a helper whose process died, or that is still
+ * waiting when the supervisor stops, is released by opening its FIFO O_RDWR once.
+ *
+ * Fail-closed: anything that cannot be decoded or emulated is refused with an error; if the
+ * supervisor is gone, the kernel fails every trapped call with ENOSYS.
+ */
+#define _GNU_SOURCE
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <fnmatch.h>
+#include <limits.h>
+#include <linux/audit.h>
+#include <linux/capability.h>
+#include <linux/magic.h>
+#include <linux/seccomp.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/syscall.h>
+#include <sys/types.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CCS_ABI_VERSION 1
+
+#ifndef SECCOMP_ADDFD_FLAG_SEND
+#define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
+#endif
+#ifndef SECCOMP_IOCTL_NOTIF_SET_FLAGS
+#define SECCOMP_IOCTL_NOTIF_SET_FLAGS SECCOMP_IOW(4, __u64)
+#endif
+#ifndef SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP
+#define SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1UL << 0)
+#endif
+#ifndef PIDFD_THREAD
+#define PIDFD_THREAD O_EXCL
+#endif
+#ifndef RENAME_EXCHANGE
+#define RENAME_EXCHANGE (1 << 1)
+#endif
+#ifndef PROC_SUPER_MAGIC
+#define PROC_SUPER_MAGIC 0x9fa0
+#endif
+#define PROC_ROOT_INO 1
+
+#if defined(__x86_64__)
+#define NATIVE_ARCH AUDIT_ARCH_X86_64
+#define X32_SYSCALL_BIT 0x40000000
+#elif defined(__aarch64__)
+#define NATIVE_ARCH AUDIT_ARCH_AARCH64
+#define X32_SYSCALL_BIT 0
+#else
+#error "libcc-create-supervisor: unsupported architecture"
+#endif
+
+#define MAX_SYMLINKS 40           /* the kernel's limit (MAXSYMLINKS) */
+#define MAX_GROUPS 65536          /* NGROUPS_MAX */
+#define STATUS_BYTES 8192         /* /proc/<tid>/status is ~1.5 KiB; groups can make it longer */
+#define REPORT_TARGET_MAX 1024    /* a report stays below PIPE_BUF, so writes are atomic */
+#define HELPER_POLL_MS 100        /* how often pending FIFO helpers are checked for dead tasks */
+#define STOP_RESCUE_MS 10         /* while stopping: how often waiting helpers are released */
+#define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
+
+enum { KIND_REFUSED = 'R', KIND_ERROR = 'E' };
+
+struct helper;
+
+struct ccs {
+    int listener;
+    int report_fd;
+    int stop_fd;    /* eventfd: readable once stopping */
+    int proc_fd;    /* the host's /proc, O_PATH */
+    char *glob_blob;
+    char **globs;
+    int nglobs;
+    uid_t uid;
+    gid_t gid;
+    gid_t *groups;  /* sorted */
+    int ngroups;
+    int nworkers;
+    pthread_t *threads;
+    pthread_mutex_t leader;
+    pthread_mutex_t lock; /* ready counting, helpers */
+    pthread_cond_t cond;
+    int ready, failed;
+    char setup_error[256];
+    struct helper *helpers;
+    int nhelpers;
+    atomic_int stopping;
+    atomic_ullong handled, refused, errors, dropped_reports, busy_ns;
+};
+
+struct helper {
+    struct helper *next;
+    struct ccs *s;
+    uint64_t id;
+    int obj_fd;    /* O_PATH fd of the FIFO */
+    int flags;     /* the process's open flags, minus O_CREAT|O_EXCL */
+    bool cloexec;
+};
+
+/* What the trapping task is, from /proc/<tid>/status. */
+struct task_info {
+    mode_t umask;
+    uid_t fsuid;
+    gid_t fsgid;
+    long ns_tgid, ns_tid; /* in the task's own pid namespace */
+    gid_t groups[256];
+    int ngroups;          /* -1: more than fit, compared as a mismatch */
+};
+
+/* One notification being handled. */
+struct req {
+    struct ccs *s;
+    struct seccomp_notif *n;
+    const char *sysname;
+    int proc_fd;   /* /proc/<tid> */
+    int root_fd;   /* the task's root, opened on first use */
+    bool root_known;
+    uint64_t root_dev, root_ino, root_mnt;
+    struct task_info ti;
+};
+
+enum res_kind { RES_NAME, RES_OBJECT, RES_DIR };
+
+/* Where a path leads: a name in a pinned directory, an existing object reached through a
+ * procfs link, or a directory named by ".", ".." or a trailing "/" alone. */
+struct resolved {
+    enum res_kind kind;
+    int dir_fd;      /* RES_NAME: the parent; RES_DIR: the directory */
+    int obj_fd;      /* RES_OBJECT */
+    char name[NAME_MAX + 1];
+    bool trailing_slash;
+};
+
+static __thread mode_t thread_umask = (mode_t)-1;
+
+/* Per worker: /proc/<tid> and its status file for the tasks seen last, so a task's next call
+ * costs one pread instead of two opens. A cached fd pins the task's struct pid: if the task
+ * died and its tid was reused, reading through the old fd fails (ESRCH) and both are reopened;
+ * it can never describe another task. */
+#define TID_CACHE 16
+struct tid_entry {
+    pid_t tid;
+    int proc_fd;
+    int status_fd;
+};
+static __thread struct tid_entry tid_cache[TID_CACHE];
+static __thread unsigned tid_next;
+
+static void tid_cache_init(void) {
+    for (int i = 0; i < TID_CACHE; i++)
+        tid_cache[i] = (struct tid_entry){.tid = 0, .proc_fd = -1, .status_fd = -1};
+}
+
+static void tid_entry_close(struct tid_entry *e) {
+    if (e->proc_fd >= 0)
+        close(e->proc_fd);
+    if (e->status_fd >= 0)
+        close(e->status_fd);
+    *e = (struct tid_entry){.tid = 0, .proc_fd = -1, .status_fd = -1};
+}
+
+static void tid_cache_clear(void) {
+    for (int i = 0; i < TID_CACHE; i++)
+        tid_entry_close(&tid_cache[i]);
+}
+
+static int tid_entry_open(int host_proc, pid_t tid, struct tid_entry *e) {
+    char name[32];
+    snprintf(name, sizeof name, "%d", (int)tid);
+    e->proc_fd = openat(host_proc, name, O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (e->proc_fd < 0)
+        return errno == ENOENT ? ESRCH : errno;
+    e->status_fd = openat(e->proc_fd, "status", O_RDONLY | O_CLOEXEC);
+    if (e->status_fd < 0) {
+        int err = errno == ENOENT ? ESRCH : errno;
+        tid_entry_close(e);
+        return err;
+    }
+    e->tid = tid;
+    return 0;
+}
+
+/* --- small helpers --------------------------------------------------------------------- */
+
+static void close_fd(int *fd) {
+    if (*fd >= 0) {
+        close(*fd);
+        *fd = -1;
+    }
+}
+
+static void res_init(struct resolved *r) {
+    r->kind = RES_NAME;
+    r->dir_fd = -1;
+    r->obj_fd = -1;
+    r->name[0] = '\0';
+    r->trailing_slash = false;
+}
+
+static void res_close(struct resolved *r) {
+    close_fd(&r->dir_fd);
+    close_fd(&r->obj_fd);
+}
+
+static void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
+
+/* One record: u32 length, then kind, syscall, target, name, detail, each NUL-terminated. */
+static void report(struct ccs *s, char kind, const char *sysname, const char *target,
+                   const char *name, const char *detail) {
+    char buf[4 + 2 + 32 + REPORT_TARGET_MAX + 8 + NAME_MAX + 1 + 512];
+    size_t off = 4;
+    buf[off++] = kind;
+    buf[off++] = '\0';
+    const char *fields[4] = {sysname, target, name, detail};
+    size_t limits[4] = {31, REPORT_TARGET_MAX, NAME_MAX, 511};
+    for (int i = 0; i < 4; i++) {
+        const char *f = fields[i] ? fields[i] : "";
+        size_t len = strnlen(f, limits[i]);
+        memcpy(buf + off, f, len);
+        off += len;
+        if (i == 1 && f[len] != '\0') { /* a target cut short says so */
+            memcpy(buf + off, "...", 3);
+            off += 3;
+        }
+        buf[off++] = '\0';
+    }
+    put_u32(buf, (uint32_t)(off - 4));
+    ssize_t n;
+    do {
+        n = write(s->report_fd, buf, off);
+    } while (n < 0 && errno == EINTR);
+    if (n != (ssize_t)off)
+        atomic_fetch_add(&s->dropped_reports, 1);
+}
+
+static void report_error(struct req *q, const char *target, const char *fmt, ...) {
+    char detail[256];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(detail, sizeof detail, fmt, ap);
+    va_end(ap);
+    atomic_fetch_add(&q->s->errors, 1);
+    report(q->s, KIND_ERROR, q->sysname, target, "", detail);
+}
+
+static void respond(struct ccs *s, uint64_t id, int64_t val, int err) {
+    struct seccomp_notif_resp resp;
+    memset(&resp, 0, sizeof resp);
+    resp.id = id;
+    resp.val = err ? 0 : val;
+    resp.error = err ? -err : 0;
+    /* ENOENT: the task died or was killed meanwhile; nothing waits for the answer. */
+    ioctl(s->listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+}
+
+/* Hand `fd` to the task as the syscall's result; our copy is closed. */
+static void respond_fd(struct ccs *s, uint64_t id, int fd, bool cloexec) {
+    struct seccomp_notif_addfd addfd;
+    memset(&addfd, 0, sizeof addfd);
+    addfd.id = id;
+    addfd.flags = SECCOMP_ADDFD_FLAG_SEND;
+    addfd.srcfd = (uint32_t)fd;
+    addfd.newfd_flags = cloexec ? O_CLOEXEC : 0;
+    int r = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
+    int err = errno;
+    close(fd);
+    if (r < 0 && err != ENOENT && err != ESRCH) /* e.g. EMFILE: the task's fd limit */
+        respond(s, id, 0, err);
+}
+
+static bool id_valid(struct ccs *s, uint64_t id) {
+    return ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &id) == 0;
+}
+
+static bool glob_match(struct ccs *s, const char *name, const char **which) {
+    for (int i = 0; i < s->nglobs; i++) {
+        if (fnmatch(s->globs[i], name, FNM_CASEFOLD) == 0) {
+            *which = s->globs[i];
+            return true;
+        }
+    }
+    return false;
+}
+
+/* --- reading the task ---------------------------------------------------------------------- */
+
+/* Copy a NUL-terminated string from the task, page by page (a string may end just before an
+ * unmapped page). Returns 0 or an errno. */
+static int copy_string(pid_t pid, uint64_t addr, char *buf, size_t size) {
+    if (addr == 0)
+        return EFAULT;
+    size_t got = 0;
+    long page = getpagesize();
+    while (got < size) {
+        uint64_t at = addr + got;
+        size_t chunk = (size_t)page - (size_t)(at % (uint64_t)page);
+        if (chunk > size - got)
+            chunk = size - got;
+        struct iovec local = {.iov_base = buf + got, .iov_len = chunk};
+        struct iovec remote = {.iov_base = (void *)(uintptr_t)at, .iov_len = chunk};
+        ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+        if (n <= 0)
+            return n == 0 ? EFAULT : (errno == ESRCH ? ESRCH : EFAULT);
+        char *nul = memchr(buf + got, '\0', (size_t)n);
+        if (nul)
+            return 0;
+        got += (size_t)n;
+    }
+    return ENAMETOOLONG;
+}
+
+static int copy_bytes(pid_t pid, uint64_t addr, void *buf, size_t len) {
+    struct iovec local = {.iov_base = buf, .iov_len = len};
+    struct iovec remote = {.iov_base = (void *)(uintptr_t)addr, .iov_len = len};
+    ssize_t n = process_vm_readv(pid, &local, 1, &remote, 1, 0);
+    if (n == (ssize_t)len)
+        return 0;
+    return n < 0 && errno == ESRCH ? ESRCH : EFAULT;
+}
+
+static const char *status_field(const char *text, const char *key) {
+    size_t klen = strlen(key);
+    const char *p = text;
+    while (p && *p) {
+        if (strncmp(p, key, klen) == 0)
+            return p + klen;
+        p = strchr(p, '\n');
+        if (p)
+            p++;
+    }
+    return NULL;
+}
+
+static long last_number(const char *field) {
+    long value = 0;
+    while (field && *field && *field != '\n') {
+        while (*field == ' ' || *field == '\t')
+            field++;
+        if (!isdigit((unsigned char)*field))
+            break;
+        value = strtol(field, (char **)&field, 10);
+    }
+    return value;
+}
+
+static bool nth_number(const char *field, int n, unsigned long *out) {
+    for (int i = 0; field && i <= n; i++) {
+        while (*field == ' ' || *field == '\t')
+            field++;
+        if (!isdigit((unsigned char)*field))
+            return false;
+        char *end;
+        unsigned long v = strtoul(field, &end, 10);
+        if (i == n) {
+            *out = v;
+            return true;
+        }
+        field = end;
+    }
+    return false;
+}
+
+static int cmp_gid(const void *a, const void *b) {
+    gid_t x = *(const gid_t *)a, y = *(const gid_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static int read_status(int fd, char *text, size_t size) {
+    size_t got = 0;
+    for (;;) {
+        ssize_t n = pread(fd, text + got, size - 1 - got, (off_t)got);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n < 0)
+            return errno;
+        got += (size_t)n;
+        if (n == 0 || got >= size - 1)
+            break;
+    }
+    text[got] = '\0';
+    return got ? 0 : ESRCH;
+}
+
+/* Find (or open) the task's /proc entry and read its status. */
+static int read_task_info(struct req *q) {
+    struct tid_entry *e = NULL;
+    for (int i = 0; i < TID_CACHE; i++) {
+        if (tid_cache[i].tid == (pid_t)q->n->pid) {
+            e = &tid_cache[i];
+            break;
+        }
+    }
+    char text[STATUS_BYTES];
+    int err = ESRCH;
+    if (e) {
+        err = read_status(e->status_fd, text, sizeof text);
+        if (err)
+            tid_entry_close(e); /* the task we cached is gone: the tid may be someone new */
+    }
+    if (err) {
+        e = &tid_cache[tid_next++ % TID_CACHE];
+        tid_entry_close(e);
+        err = tid_entry_open(q->s->proc_fd, (pid_t)q->n->pid, e);
+        if (err)
+            return err;
+        err = read_status(e->status_fd, text, sizeof text);
+        if (err) {
+            tid_entry_close(e);
+            return err;
+        }
+    }
+    q->proc_fd = e->proc_fd; /* borrowed from the cache */
+    struct task_info *ti = &q->ti;
+    unsigned long v;
+    const char *f = status_field(text, "Umask:");
+    if (!f)
+        return EPROTO;
+    ti->umask = (mode_t)strtoul(f, NULL, 8) & 0777;
+    if (!nth_number(status_field(text, "Uid:"), 3, &v))
+        return EPROTO;
+    ti->fsuid = (uid_t)v;
+    if (!nth_number(status_field(text, "Gid:"), 3, &v))
+        return EPROTO;
+    ti->fsgid = (gid_t)v;
+    ti->ns_tgid = last_number(status_field(text, "NStgid:"));
+    ti->ns_tid = last_number(status_field(text, "NSpid:"));
+    ti->ngroups = 0;
+    f = status_field(text, "Groups:");
+    while (f && *f && *f != '\n') {
+        while (*f == ' ' || *f == '\t')
+            f++;
+        if (!isdigit((unsigned char)*f))
+            break;
+        if (ti->ngroups >= (int)(sizeof ti->groups / sizeof ti->groups[0])) {
+            ti->ngroups = -1;
+            break;
+        }
+        ti->groups[ti->ngroups++] = (gid_t)strtoul(f, (char **)&f, 10);
+    }
+    if (ti->ngroups > 0)
+        qsort(ti->groups, (size_t)ti->ngroups, sizeof(gid_t), cmp_gid);
+    return 0;
+}
+
+static bool same_credentials(struct ccs *s, struct task_info *ti) {
+    if (ti->fsuid != s->uid || ti->fsgid != s->gid || ti->ngroups != s->ngroups)
+        return false;
+    return ti->ngroups == 0 ||
+           memcmp(ti->groups, s->groups, (size_t)ti->ngroups * sizeof(gid_t)) == 0;
+}
+
+/* --- path resolution in the task's view ---------------------------------------------------- */
+
+static int get_root(struct req *q, int *out) {
+    if (q->root_fd < 0) {
+        q->root_fd = openat(q->proc_fd, "root", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (q->root_fd < 0)
+            return errno == ENOENT ? ESRCH : errno;
+    }
+    *out = fcntl(q->root_fd, F_DUPFD_CLOEXEC, 0);
+    return *out < 0 ? errno : 0;
+}
+
+static int mount_identity(int fd, uint64_t *dev, uint64_t *ino, uint64_t *mnt) {
+    struct statx sx;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_INO | STATX_MNT_ID, &sx) < 0)
+        return errno;
+    *dev = ((uint64_t)sx.stx_dev_major << 32) | sx.stx_dev_minor;
+    *ino = sx.stx_ino;
+    *mnt = sx.stx_mnt_id;
+    return 0;
+}
+
+static int is_task_root(struct req *q, int fd, bool *yes) {
+    if (!q->root_known) {
+        int root;
+        int err = get_root(q, &root);
+        if (err)
+            return err;
+        err = mount_identity(root, &q->root_dev, &q->root_ino, &q->root_mnt);
+        close(root);
+        if (err)
+            return err;
+        q->root_known = true;
+    }
+    uint64_t dev = 0, ino = 0, mnt = 0;
+    int err = mount_identity(fd, &dev, &ino, &mnt);
+    if (err)
+        return err;
+    *yes = dev == q->root_dev && ino == q->root_ino && mnt == q->root_mnt;
+    return 0;
+}
+
+static bool is_procfs_root(int fd, bool *in_procfs) {
+    struct statfs sf;
+    struct stat st;
+    *in_procfs = fstatfs(fd, &sf) == 0 && sf.f_type == PROC_SUPER_MAGIC;
+    return *in_procfs && fstat(fd, &st) == 0 && st.st_ino == PROC_ROOT_INO;
+}
+
+/* The directory a relative path starts from: the thread's cwd or the task's fd. */
+static int start_dir(struct req *q, int dirfd, const char *path, int *out) {
+    if (path[0] == '/')
+        return get_root(q, out);
+    if (dirfd == AT_FDCWD) {
+        *out = openat(q->proc_fd, "cwd", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        return *out < 0 ? (errno == ENOENT ? ESRCH : errno) : 0;
+    }
+    if (dirfd < 0)
+        return EBADF;
+    char name[32];
+    snprintf(name, sizeof name, "fd/%d", dirfd);
+    *out = openat(q->proc_fd, name, O_PATH | O_CLOEXEC);
+    if (*out < 0)
+        return errno == ENOENT ? EBADF : errno;
+    struct stat st;
+    if (fstat(*out, &st) < 0 || !S_ISDIR(st.st_mode)) {
+        close_fd(out);
+        return ENOTDIR;
+    }
+    return 0;
+}
+
+/*
+ * Resolve `path` (as the task would, from `dirfd`) to a resolved target.
+ * `follow_final`: a final symlink is followed (open with O_CREAT and without O_EXCL or
+ * O_NOFOLLOW, link with AT_SYMLINK_FOLLOW). A trailing slash also follows, as in the kernel.
+ * Returns 0 or an errno for the task.
+ */
+static int resolve(struct req *q, int dirfd, const char *path, bool follow_final,
+                   struct resolved *out) {
+    enum { CAP = 2 * PATH_MAX + 2 };
+    char buf_a[CAP], buf_b[CAP];
+    char *work = buf_a, *spare = buf_b;
+    int cur = -1, err = 0, links = 0;
+    res_init(out);
+    if (path[0] == '\0') {
+        err = ENOENT;
+        goto done;
+    }
+    err = start_dir(q, dirfd, path, &cur);
+    if (err)
+        goto done;
+    snprintf(work, CAP, "%s", path);
+    const char *p = work;
+    char comp[NAME_MAX + 1];
+    for (;;) {
+        while (*p == '/')
+            p++;
+        if (*p == '\0') { /* "/" or "dir/" reduced to the directory itself */
+            out->kind = RES_DIR;
+            out->dir_fd = cur;
+            cur = -1;
+            goto done;
+        }
+        const char *end = strchrnul(p, '/');
+        size_t len = (size_t)(end - p);
+        if (len > NAME_MAX) {
+            err = ENAMETOOLONG;
+            goto done;
+        }
+        memcpy(comp, p, len);
+        comp[len] = '\0';
+        const char *next = end;
+        while (*next == '/')
+            next++;
+        bool last = *next == '\0';
+        bool trailing = last && next != end;
+        p = next;
+
+        if (strcmp(comp, ".") == 0 || strcmp(comp, "..") == 0) {
+            if (comp[1] == '.') {
+                bool at_root;
+                err = is_task_root(q, cur, &at_root);
+                if (err)
+                    goto done;
+                if (!at_root) {
+                    int up = openat(cur, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
+                    if (up < 0) {
+                        err = errno;
+                        goto done;
+                    }
+                    close(cur);
+                    cur = up;
+                }
+            }
+            if (last) {
+                out->kind = RES_DIR;
+                out->dir_fd = cur;
+                cur = -1;
+                goto done;
+            }
+            continue;
+        }
+
+        struct stat st;
+        if (!last) {
+            int nfd = openat(cur, comp, O_PATH | O_NOFOLLOW | O_DIRECTORY | O_CLOEXEC);
+            if (nfd >= 0) {
+                close(cur);
+                cur = nfd;
+                continue;
+            }
+            if (errno != ENOTDIR) {
+                err = errno;
+                goto done;
+            }
+            if (fstatat(cur, comp, &st, AT_SYMLINK_NOFOLLOW) < 0) {
+                err = errno;
+                goto done;
+            }
+            if (!S_ISLNK(st.st_mode)) {
+                err = ENOTDIR;
+                goto done;
+            }
+        } else {
+            if (!(follow_final || trailing) ||
+                fstatat(cur, comp, &st, AT_SYMLINK_NOFOLLOW) < 0 || !S_ISLNK(st.st_mode)) {
+                out->kind = RES_NAME;
+                out->dir_fd = cur;
+                cur = -1;
+                memcpy(out->name, comp, len + 1);
+                out->trailing_slash = trailing;
+                goto done;
+            }
+        }
+
+        /* `comp` is a symlink to follow. */
+        if (++links > MAX_SYMLINKS) {
+            err = ELOOP;
+            goto done;
+        }
+        bool in_procfs;
+        bool proc_root = is_procfs_root(cur, &in_procfs);
+        char target[PATH_MAX + 64];
+        if (proc_root && (strcmp(comp, "self") == 0 || strcmp(comp, "thread-self") == 0)) {
+            /* Resolved against the reader's pid namespace by the kernel: use the task's. */
+            if (q->ti.ns_tgid <= 0 || q->ti.ns_tid <= 0) {
+                err = ENOENT;
+                goto done;
+            }
+            if (comp[0] == 's')
+                snprintf(target, sizeof target, "%ld", q->ti.ns_tgid);
+            else
+                snprintf(target, sizeof target, "%ld/task/%ld", q->ti.ns_tgid, q->ti.ns_tid);
+        } else if (in_procfs && !proc_root) {
+            /* A procfs magic link (fd/N, cwd, root, exe, ...): the kernel follows it to the
+             * task's own object. */
+            int nfd = openat(cur, comp, O_PATH | O_CLOEXEC);
+            if (nfd < 0) {
+                err = errno;
+                goto done;
+            }
+            close(cur);
+            cur = nfd;
+            if (fstat(cur, &st) < 0) {
+                err = errno;
+                goto done;
+            }
+            if (last) {
+                out->kind = RES_OBJECT;
+                out->obj_fd = cur;
+                cur = -1;
+                out->trailing_slash = trailing;
+                if (trailing && !S_ISDIR(st.st_mode))
+                    err = ENOTDIR;
+                goto done;
+            }
+            if (!S_ISDIR(st.st_mode)) {
+                err = ENOTDIR;
+                goto done;
+            }
+            continue;
+        } else {
+            ssize_t n = readlinkat(cur, comp, target, PATH_MAX);
+            if (n < 0) {
+                err = errno;
+                goto done;
+            }
+            if (n >= PATH_MAX) {
+                err = ENAMETOOLONG;
+                goto done;
+            }
+            target[n] = '\0';
+            if (n == 0) {
+                err = ENOENT;
+                goto done;
+            }
+            if (target[0] == '/') {
+                close(cur);
+                err = get_root(q, &cur);
+                if (err)
+                    goto done;
+            }
+        }
+        /* Splice: target, then what was left of the path (a trailing slash survives). */
+        size_t tlen = strlen(target), rlen = strlen(p);
+        if (tlen + 1 + rlen + 2 > CAP) {
+            err = ENAMETOOLONG;
+            goto done;
+        }
+        memcpy(spare, target, tlen);
+        size_t off = tlen;
+        if (rlen) {
+            spare[off++] = '/';
+            memcpy(spare + off, p, rlen);
+            off += rlen;
+        } else if (trailing) {
+            spare[off++] = '/';
+        }
+        spare[off] = '\0';
+        char *t = work;
+        work = spare;
+        spare = t;
+        p = work;
+    }
+done:
+    close_fd(&cur);
+    if (err)
+        res_close(out);
+    return err;
+}
+
+/* --- emulation ----------------------------------------------------------------------------- */
+
+static void set_umask(mode_t m) {
+    if (thread_umask != m) {
+        umask(m);
+        thread_umask = m;
+    }
+}
+
+static void refuse(struct req *q, const char *target, const char *name, const char *glob) {
+    atomic_fetch_add(&q->s->refused, 1);
+    report(q->s, KIND_REFUSED, q->sysname, target, name, glob);
+    respond(q->s, q->n->id, 0, EACCES);
+}
+
+static void *fifo_helper(void *arg);
+
+/* Finish an open of an existing FIFO without stalling a worker. Takes `obj_fd`. */
+static void open_fifo(struct req *q, int obj_fd, int flags) {
+    struct ccs *s = q->s;
+    bool cloexec = flags & O_CLOEXEC;
+    int acc = flags & O_ACCMODE;
+    char self[64];
+    snprintf(self, sizeof self, "/proc/self/fd/%d", obj_fd);
+    int base = (flags & ~(O_CREAT | O_EXCL | O_NOFOLLOW)) | O_CLOEXEC | O_NOCTTY;
+    if ((flags & O_NONBLOCK) || acc == O_RDWR || acc == O_WRONLY) {
+        int fd = open(self, base | O_NONBLOCK);
+        if (fd >= 0) {
+            if (!(flags & O_NONBLOCK))
+                fcntl(fd, F_SETFL, flags & (O_APPEND | O_DIRECT | O_NOATIME));
+            close(obj_fd);
+            respond_fd(s, q->n->id, fd, cloexec);
+            return;
+        }
+        if ((flags & O_NONBLOCK) || errno != ENXIO) {
+            int err = errno;
+            close(obj_fd);
+            respond(s, q->n->id, 0, err);
+            return;
+        }
+    }
+    /* O_RDONLY, or O_WRONLY with no reader yet: this open blocks until the other end comes. */
+    struct helper *h = calloc(1, sizeof *h);
+    pthread_mutex_lock(&s->lock);
+    bool room = h && s->nhelpers < MAX_HELPERS && !atomic_load(&s->stopping);
+    if (room) {
+        h->s = s;
+        h->id = q->n->id;
+        h->obj_fd = obj_fd;
+        h->flags = base & ~O_CLOEXEC;
+        h->cloexec = cloexec;
+        h->next = s->helpers;
+        s->helpers = h;
+        s->nhelpers++;
+    }
+    pthread_mutex_unlock(&s->lock);
+    pthread_t th;
+    pthread_attr_t attr;
+    if (room) {
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        int rc = pthread_create(&th, &attr, fifo_helper, h);
+        pthread_attr_destroy(&attr);
+        if (rc == 0)
+            return;
+        pthread_mutex_lock(&s->lock);
+        for (struct helper **pp = &s->helpers; *pp; pp = &(*pp)->next) {
+            if (*pp == h) {
+                *pp = h->next;
+                break;
+            }
+        }
+        s->nhelpers--;
+        pthread_cond_broadcast(&s->cond);
+        pthread_mutex_unlock(&s->lock);
+    }
+    free(h);
+    close(obj_fd);
+    report_error(q, "", "too many FIFO opens waiting at once");
+    respond(s, q->n->id, 0, EAGAIN);
+}
+
+static void *fifo_helper(void *arg) {
+    struct helper *h = arg;
+    struct ccs *s = h->s;
+    char self[64];
+    snprintf(self, sizeof self, "/proc/self/fd/%d", h->obj_fd);
+    int fd;
+    do {
+        fd = open(self, h->flags | O_CLOEXEC);
+    } while (fd < 0 && errno == EINTR);
+    int err = errno;
+    pthread_mutex_lock(&s->lock);
+    for (struct helper **pp = &s->helpers; *pp; pp = &(*pp)->next) {
+        if (*pp == h) {
+            *pp = h->next;
+            break;
+        }
+    }
+    close(h->obj_fd);
+    pthread_mutex_unlock(&s->lock);
+    if (fd >= 0)
+        respond_fd(s, h->id, fd, h->cloexec);
+    else
+        respond(s, h->id, 0, err);
+    pthread_mutex_lock(&s->lock);
+    s->nhelpers--;
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+    free(h);
+    return NULL;
+}
+
+/* Release FIFO helpers whose task is gone (or all of them when stopping): opening the FIFO
+ * O_RDWR once satisfies whichever end the helper waits for. */
+static void rescue_helpers(struct ccs *s, bool all) {
+    pthread_mutex_lock(&s->lock);
+    for (struct helper *h = s->helpers; h; h = h->next) {
+        if (all || !id_valid(s, h->id)) {
+            char self[64];
+            snprintf(self, sizeof self, "/proc/self/fd/%d", h->obj_fd);
+            int fd = open(self, O_RDWR | O_NONBLOCK | O_CLOEXEC);
+            if (fd >= 0)
+                close(fd);
+        }
+    }
+    pthread_mutex_unlock(&s->lock);
+}
+
+static const int SETFL_KEEP = O_APPEND | O_DIRECT | O_NOATIME;
+
+static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mode) {
+    struct ccs *s = q->s;
+    char path[PATH_MAX];
+    int err = copy_string(q->n->pid, path_addr, path, sizeof path);
+    if (err == ESRCH || !id_valid(s, q->n->id))
+        return;
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    set_umask(q->ti.umask);
+    bool cloexec = flags & O_CLOEXEC;
+    bool opath = flags & O_PATH;
+    bool follow = opath ? !(flags & O_NOFOLLOW) : !(flags & (O_EXCL | O_NOFOLLOW));
+    struct resolved r;
+    err = resolve(q, dirfd, path, follow, &r);
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    const char *glob = NULL;
+    int fd = -1;
+    if (opath) { /* O_PATH ignores O_CREAT: nothing is created */
+        int f = (flags & ~(O_CREAT | O_EXCL)) | O_CLOEXEC;
+        if (r.kind == RES_OBJECT) {
+            fd = fcntl(r.obj_fd, F_DUPFD_CLOEXEC, 0);
+        } else if (r.kind == RES_DIR) {
+            fd = fcntl(r.dir_fd, F_DUPFD_CLOEXEC, 0);
+        } else {
+            fd = openat(r.dir_fd, r.name, f | O_NOFOLLOW);
+        }
+        err = fd < 0 ? errno : 0;
+    } else if (r.kind == RES_DIR) {
+        err = EISDIR;
+    } else if (r.kind == RES_OBJECT) {
+        if (flags & O_EXCL) {
+            err = EEXIST;
+        } else {
+            struct stat st;
+            if (fstat(r.obj_fd, &st) == 0 && S_ISFIFO(st.st_mode)) {
+                open_fifo(q, r.obj_fd, flags);
+                r.obj_fd = -1;
+                res_close(&r);
+                return;
+            }
+            char self[64];
+            snprintf(self, sizeof self, "/proc/self/fd/%d", r.obj_fd);
+            fd = open(self, (flags & ~(O_CREAT | O_EXCL)) | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+            err = fd < 0 ? errno : 0;
+        }
+    } else if (r.trailing_slash) {
+        err = EISDIR;
+    } else {
+        /* A matching name may be opened only if it exists: O_CREAT is dropped, so this open
+         * can never create it, whatever happens to the directory meanwhile. */
+        bool matches = glob_match(s, r.name, &glob);
+        if (matches && (flags & O_EXCL)) {
+            refuse(q, path, r.name, glob);
+            res_close(&r);
+            return;
+        }
+        /* O_NONBLOCK: an existing FIFO must not block this worker (see open_fifo). */
+        int f = (matches ? flags & ~O_CREAT : flags) | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC |
+                O_NOCTTY;
+        fd = openat(r.dir_fd, r.name, f, mode);
+        err = fd < 0 ? errno : 0;
+        if (matches && err == ENOENT) {
+            refuse(q, path, r.name, glob);
+            res_close(&r);
+            return;
+        }
+        struct stat st;
+        bool fifo = false;
+        if (err == ENXIO && !(flags & O_NONBLOCK)) /* a FIFO without a reader, or a socket */
+            fifo = fstatat(r.dir_fd, r.name, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISFIFO(st.st_mode);
+        else if (!err && (flags & O_ACCMODE) == O_RDONLY && !(flags & O_NONBLOCK))
+            fifo = fstat(fd, &st) == 0 && S_ISFIFO(st.st_mode); /* must wait for a writer */
+        if (fifo) {
+            int obj = openat(r.dir_fd, r.name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+            close_fd(&fd);
+            res_close(&r);
+            if (obj < 0)
+                respond(s, q->n->id, 0, errno);
+            else
+                open_fifo(q, obj, flags);
+            return;
+        }
+    }
+    res_close(&r);
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    if (!(flags & O_NONBLOCK) && !opath)
+        fcntl(fd, F_SETFL, flags & SETFL_KEEP);
+    respond_fd(s, q->n->id, fd, cloexec);
+}
+
+/* A name about to be created by mknod, mkdir, symlink, link or bind: checked, then made. */
+static int name_for_create(struct req *q, const char *path, struct resolved *r, bool is_mkdir,
+                           bool *refused) {
+    *refused = false;
+    if (r->kind == RES_DIR)
+        return EEXIST;
+    if (r->kind == RES_OBJECT)
+        return EEXIST;
+    const char *glob;
+    if (glob_match(q->s, r->name, &glob)) {
+        refuse(q, path, r->name, glob);
+        *refused = true;
+        return 0;
+    }
+    if (r->trailing_slash && !is_mkdir) {
+        struct stat st;
+        return fstatat(r->dir_fd, r->name, &st, AT_SYMLINK_NOFOLLOW) == 0 ? EEXIST : ENOENT;
+    }
+    return 0;
+}
+
+static bool read_path(struct req *q, uint64_t addr, char *buf, size_t size, int *err) {
+    *err = copy_string(q->n->pid, addr, buf, size);
+    return *err != ESRCH;
+}
+
+static void do_mknod_mkdir(struct req *q, int dirfd, uint64_t addr, mode_t mode, dev_t dev,
+                           bool is_mkdir) {
+    struct ccs *s = q->s;
+    char path[PATH_MAX];
+    int err;
+    if (!read_path(q, addr, path, sizeof path, &err) || !id_valid(s, q->n->id))
+        return;
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    set_umask(q->ti.umask);
+    struct resolved r;
+    err = resolve(q, dirfd, path, false, &r);
+    bool refused = false;
+    if (!err)
+        err = name_for_create(q, path, &r, is_mkdir, &refused);
+    if (!err && !refused) {
+        int rc = is_mkdir ? mkdirat(r.dir_fd, r.name, mode) : mknodat(r.dir_fd, r.name, mode, dev);
+        err = rc < 0 ? errno : 0;
+    }
+    res_close(&r);
+    if (!refused)
+        respond(s, q->n->id, 0, err);
+}
+
+static void do_symlink(struct req *q, uint64_t target_addr, int dirfd, uint64_t addr) {
+    struct ccs *s = q->s;
+    char target[PATH_MAX], path[PATH_MAX];
+    int err, err2 = 0;
+    if (!read_path(q, target_addr, target, sizeof target, &err) ||
+        !read_path(q, addr, path, sizeof path, &err2) || !id_valid(s, q->n->id))
+        return;
+    if (err || err2) {
+        respond(s, q->n->id, 0, err ? err : err2);
+        return;
+    }
+    if (target[0] == '\0') {
+        respond(s, q->n->id, 0, ENOENT);
+        return;
+    }
+    struct resolved r;
+    err = resolve(q, dirfd, path, false, &r);
+    bool refused = false;
+    if (!err)
+        err = name_for_create(q, path, &r, false, &refused);
+    if (!err && !refused)
+        err = symlinkat(target, r.dir_fd, r.name) < 0 ? errno : 0;
+    res_close(&r);
+    if (!refused)
+        respond(s, q->n->id, 0, err);
+}
+
+#ifndef AT_EMPTY_PATH
+#define AT_EMPTY_PATH 0x1000
+#endif
+
+static void do_link(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
+                    uint64_t new_addr, int flags) {
+    struct ccs *s = q->s;
+    char oldp[PATH_MAX], newp[PATH_MAX];
+    int err, err2 = 0;
+    if (!read_path(q, old_addr, oldp, sizeof oldp, &err) ||
+        !read_path(q, new_addr, newp, sizeof newp, &err2) || !id_valid(s, q->n->id))
+        return;
+    if (err || err2) {
+        respond(s, q->n->id, 0, err ? err : err2);
+        return;
+    }
+    if (flags & ~(AT_SYMLINK_FOLLOW | AT_EMPTY_PATH)) {
+        respond(s, q->n->id, 0, EINVAL);
+        return;
+    }
+    int obj = -1;
+    if (oldp[0] == '\0' && (flags & AT_EMPTY_PATH)) {
+        /* The task's own fd (an O_TMPFILE file, typically). Linking it by fd needs nothing the
+         * task could not do itself with linkat("/proc/self/fd/N", AT_SYMLINK_FOLLOW). */
+        if (olddirfd == AT_FDCWD) {
+            obj = openat(q->proc_fd, "cwd", O_PATH | O_CLOEXEC);
+        } else if (olddirfd < 0) {
+            errno = EBADF;
+        } else {
+            char name[32];
+            snprintf(name, sizeof name, "fd/%d", olddirfd);
+            obj = openat(q->proc_fd, name, O_PATH | O_CLOEXEC);
+            if (obj < 0 && errno == ENOENT)
+                errno = EBADF;
+        }
+        err = obj < 0 ? errno : 0;
+    } else {
+        struct resolved ro;
+        err = resolve(q, olddirfd, oldp, flags & AT_SYMLINK_FOLLOW, &ro);
+        if (!err) {
+            if (ro.kind == RES_OBJECT) {
+                obj = ro.obj_fd;
+                ro.obj_fd = -1;
+            } else if (ro.kind == RES_DIR) {
+                err = EPERM; /* a directory cannot be hard-linked */
+            } else {
+                obj = openat(ro.dir_fd, ro.name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+                err = obj < 0 ? errno : 0;
+                struct stat st;
+                if (!err && ro.trailing_slash && fstat(obj, &st) == 0 && !S_ISDIR(st.st_mode))
+                    err = ENOTDIR;
+            }
+            res_close(&ro);
+        }
+    }
+    struct resolved rn;
+    res_init(&rn);
+    bool refused = false;
+    if (!err)
+        err = resolve(q, newdirfd, newp, false, &rn);
+    if (!err)
+        err = name_for_create(q, newp, &rn, false, &refused);
+    if (!err && !refused)
+        err = linkat(obj, "", rn.dir_fd, rn.name, AT_EMPTY_PATH) < 0 ? errno : 0;
+    close_fd(&obj);
+    res_close(&rn);
+    if (!refused)
+        respond(s, q->n->id, 0, err);
+}
+
+static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
+                      uint64_t new_addr, unsigned flags) {
+    struct ccs *s = q->s;
+    char oldp[PATH_MAX], newp[PATH_MAX];
+    int err, err2 = 0;
+    if (!read_path(q, old_addr, oldp, sizeof oldp, &err) ||
+        !read_path(q, new_addr, newp, sizeof newp, &err2) || !id_valid(s, q->n->id))
+        return;
+    if (err || err2) {
+        respond(s, q->n->id, 0, err ? err : err2);
+        return;
+    }
+    struct resolved ro, rn;
+    res_init(&rn);
+    err = resolve(q, olddirfd, oldp, false, &ro);
+    if (!err)
+        err = resolve(q, newdirfd, newp, false, &rn);
+    if (!err && (ro.kind != RES_NAME || rn.kind != RES_NAME))
+        err = (ro.kind == RES_OBJECT || rn.kind == RES_OBJECT) ? EXDEV : EBUSY;
+    if (!err) {
+        const char *glob;
+        /* Names that receive an inode: the new one, and with RENAME_EXCHANGE the old too. */
+        if (glob_match(s, rn.name, &glob) ||
+            ((flags & RENAME_EXCHANGE) && glob_match(s, ro.name, &glob))) {
+            bool new_side = glob_match(s, rn.name, &glob);
+            refuse(q, new_side ? newp : oldp, new_side ? rn.name : ro.name, glob);
+            res_close(&ro);
+            res_close(&rn);
+            return;
+        }
+        if (ro.trailing_slash || rn.trailing_slash) { /* both must then be directories */
+            struct stat st;
+            if (fstatat(ro.dir_fd, ro.name, &st, AT_SYMLINK_NOFOLLOW) < 0)
+                err = errno;
+            else if (!S_ISDIR(st.st_mode))
+                err = ENOTDIR;
+        }
+    }
+    if (!err)
+        err = syscall(SYS_renameat2, ro.dir_fd, ro.name, rn.dir_fd, rn.name, flags) < 0 ? errno : 0;
+    res_close(&ro);
+    res_close(&rn);
+    respond(s, q->n->id, 0, err);
+}
+
+static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen) {
+    struct ccs *s = q->s;
+    struct sockaddr_storage addr;
+    memset(&addr, 0, sizeof addr);
+    if (addrlen > sizeof addr || addrlen < sizeof(sa_family_t)) {
+        if (id_valid(s, q->n->id))
+            respond(s, q->n->id, 0, EINVAL);
+        return;
+    }
+    int err = copy_bytes(q->n->pid, addr_ptr, &addr, (size_t)addrlen);
+    if (err == ESRCH || !id_valid(s, q->n->id))
+        return;
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    int pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, PIDFD_THREAD);
+    if (pidfd < 0) {
+        report_error(q, "", "pidfd_open: %s", strerror(errno));
+        respond(s, q->n->id, 0, EPERM);
+        return;
+    }
+    int sock = (int)syscall(SYS_pidfd_getfd, pidfd, sockfd, 0);
+    err = sock < 0 ? errno : 0;
+    close(pidfd);
+    if (err) {
+        respond(s, q->n->id, 0, err == ESRCH ? EBADF : err);
+        return;
+    }
+    int domain = 0;
+    socklen_t dlen = sizeof domain;
+    if (getsockopt(sock, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) < 0) {
+        err = errno;
+        close(sock);
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    struct sockaddr_un *un = (struct sockaddr_un *)&addr;
+    size_t path_off = offsetof(struct sockaddr_un, sun_path);
+    if (domain == AF_UNIX && addr.ss_family == AF_UNIX && addrlen > path_off &&
+        un->sun_path[0] != '\0') {
+        /* A pathname socket: a new name in the filesystem. */
+        char path[sizeof un->sun_path + 1];
+        size_t plen = strnlen(un->sun_path, (size_t)addrlen - path_off);
+        memcpy(path, un->sun_path, plen);
+        path[plen] = '\0';
+        set_umask(q->ti.umask);
+        struct resolved r;
+        err = resolve(q, AT_FDCWD, path, false, &r);
+        bool refused = false;
+        if (!err)
+            err = name_for_create(q, path, &r, false, &refused);
+        if (!err && !refused) {
+            /* bind() resolves relative to the caller's cwd: ours is private (CLONE_FS). */
+            struct sockaddr_un local;
+            memset(&local, 0, sizeof local);
+            local.sun_family = AF_UNIX;
+            memcpy(local.sun_path, r.name, strlen(r.name));
+            if (fchdir(r.dir_fd) < 0)
+                err = errno;
+            else
+                err = bind(sock, (struct sockaddr *)&local,
+                           (socklen_t)(path_off + strlen(r.name) + 1)) < 0 ? errno : 0;
+        }
+        res_close(&r);
+        close(sock);
+        if (!refused)
+            respond(s, q->n->id, 0, err);
+        return;
+    }
+    if (addr.ss_family == AF_INET || addr.ss_family == AF_INET6) {
+        /* The supervisor owns the sandbox's user namespace and so could bind a port the
+         * process may not (it has no CAP_NET_BIND_SERVICE): refuse what it would be refused. */
+        in_port_t port = addr.ss_family == AF_INET ? ((struct sockaddr_in *)&addr)->sin_port
+                                                   : ((struct sockaddr_in6 *)&addr)->sin6_port;
+        if (ntohs(port) != 0 && ntohs(port) < 1024) {
+            close(sock);
+            respond(s, q->n->id, 0, EACCES);
+            return;
+        }
+    }
+    err = bind(sock, (struct sockaddr *)&addr, (socklen_t)addrlen) < 0 ? errno : 0;
+    close(sock);
+    respond(s, q->n->id, 0, err);
+}
+
+static const char *syscall_name(int nr) {
+    switch (nr) {
+#ifdef SYS_open
+    case SYS_open: return "open";
+#endif
+#ifdef SYS_creat
+    case SYS_creat: return "creat";
+#endif
+    case SYS_openat: return "openat";
+#ifdef SYS_mknod
+    case SYS_mknod: return "mknod";
+#endif
+    case SYS_mknodat: return "mknodat";
+#ifdef SYS_mkdir
+    case SYS_mkdir: return "mkdir";
+#endif
+    case SYS_mkdirat: return "mkdirat";
+#ifdef SYS_symlink
+    case SYS_symlink: return "symlink";
+#endif
+    case SYS_symlinkat: return "symlinkat";
+#ifdef SYS_link
+    case SYS_link: return "link";
+#endif
+    case SYS_linkat: return "linkat";
+#ifdef SYS_rename
+    case SYS_rename: return "rename";
+#endif
+#ifdef SYS_renameat
+    case SYS_renameat: return "renameat";
+#endif
+    case SYS_renameat2: return "renameat2";
+    case SYS_bind: return "bind";
+    default: return NULL;
+    }
+}
+
+static int arg_int(uint64_t v) { return (int)(uint32_t)v; }
+
+static void dispatch(struct req *q) {
+    const __u64 *a = q->n->data.args;
+    switch (q->n->data.nr) {
+#ifdef SYS_open
+    case SYS_open: do_open(q, AT_FDCWD, a[0], arg_int(a[1]), (mode_t)a[2]); break;
+#endif
+#ifdef SYS_creat
+    case SYS_creat: do_open(q, AT_FDCWD, a[0], O_CREAT | O_WRONLY | O_TRUNC, (mode_t)a[1]); break;
+#endif
+    case SYS_openat: do_open(q, arg_int(a[0]), a[1], arg_int(a[2]), (mode_t)a[3]); break;
+#ifdef SYS_mknod
+    case SYS_mknod: do_mknod_mkdir(q, AT_FDCWD, a[0], (mode_t)a[1], (dev_t)(uint32_t)a[2], false); break;
+#endif
+    case SYS_mknodat:
+        do_mknod_mkdir(q, arg_int(a[0]), a[1], (mode_t)a[2], (dev_t)(uint32_t)a[3], false);
+        break;
+#ifdef SYS_mkdir
+    case SYS_mkdir: do_mknod_mkdir(q, AT_FDCWD, a[0], (mode_t)a[1], 0, true); break;
+#endif
+    case SYS_mkdirat: do_mknod_mkdir(q, arg_int(a[0]), a[1], (mode_t)a[2], 0, true); break;
+#ifdef SYS_symlink
+    case SYS_symlink: do_symlink(q, a[0], AT_FDCWD, a[1]); break;
+#endif
+    case SYS_symlinkat: do_symlink(q, a[0], arg_int(a[1]), a[2]); break;
+#ifdef SYS_link
+    case SYS_link: do_link(q, AT_FDCWD, a[0], AT_FDCWD, a[1], 0); break;
+#endif
+    case SYS_linkat:
+        do_link(q, arg_int(a[0]), a[1], arg_int(a[2]), a[3], arg_int(a[4]));
+        break;
+#ifdef SYS_rename
+    case SYS_rename: do_rename(q, AT_FDCWD, a[0], AT_FDCWD, a[1], 0); break;
+#endif
+#ifdef SYS_renameat
+    case SYS_renameat: do_rename(q, arg_int(a[0]), a[1], arg_int(a[2]), a[3], 0); break;
+#endif
+    case SYS_renameat2:
+        do_rename(q, arg_int(a[0]), a[1], arg_int(a[2]), a[3], (unsigned)a[4]);
+        break;
+    case SYS_bind: do_bind(q, arg_int(a[0]), a[1], a[2]); break;
+    default: break; /* not reached: handle() decoded it */
+    }
+}
+
+static void handle(struct ccs *s, struct seccomp_notif *n) {
+    atomic_fetch_add(&s->handled, 1);
+    struct req q = {.s = s, .n = n, .proc_fd = -1, .root_fd = -1};
+    q.sysname = syscall_name(n->data.nr);
+    if (n->data.arch != NATIVE_ARCH || (X32_SYSCALL_BIT && (n->data.nr & X32_SYSCALL_BIT)) ||
+        q.sysname == NULL) {
+        q.sysname = "?";
+        report_error(&q, "", "undecodable notification: arch %#x nr %d", n->data.arch,
+                     n->data.nr);
+        respond(s, n->id, 0, ENOSYS);
+        return;
+    }
+    int err = read_task_info(&q);
+    if (err) {
+        /* Alive but unreadable (ESRCH while the id is valid: our /proc shows another pid
+         * namespace): refused, never let through. */
+        if (id_valid(s, n->id)) {
+            report_error(&q, "", "cannot read /proc/%u/status: %s", n->pid, strerror(err));
+            respond(s, n->id, 0, EPERM);
+        }
+        return;
+    }
+    if (!same_credentials(s, &q.ti)) {
+        if (id_valid(s, n->id)) {
+            report_error(&q, "", "task %u runs with other credentials (fsuid %u, fsgid %u)",
+                         n->pid, q.ti.fsuid, q.ti.fsgid);
+            respond(s, n->id, 0, EACCES);
+        }
+        return;
+    }
+    dispatch(&q);
+    close_fd(&q.root_fd);
+}
+
+/* --- threads ------------------------------------------------------------------------------- */
+
+static int drop_capabilities(void) {
+    struct __user_cap_header_struct hdr = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct data[2];
+    memset(data, 0, sizeof data);
+    return (int)syscall(SYS_capset, &hdr, data);
+}
+
+static void *worker(void *arg) {
+    struct ccs *s = arg;
+    prctl(PR_SET_NAME, "cc-create-sup", 0, 0, 0);
+    int err = 0;
+    const char *what = NULL;
+    if (unshare(CLONE_FS) < 0) {
+        err = errno;
+        what = "unshare(CLONE_FS)";
+    } else if (drop_capabilities() < 0) {
+        err = errno;
+        what = "capset";
+    }
+    pthread_mutex_lock(&s->lock);
+    if (what) {
+        s->failed++;
+        snprintf(s->setup_error, sizeof s->setup_error, "%s: %s", what, strerror(err));
+    }
+    s->ready++;
+    pthread_cond_broadcast(&s->cond);
+    pthread_mutex_unlock(&s->lock);
+    if (what)
+        return NULL;
+
+    tid_cache_init();
+    struct seccomp_notif notif;
+    for (;;) {
+        pthread_mutex_lock(&s->leader);
+        bool got = false;
+        while (!atomic_load(&s->stopping)) {
+            struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
+                                  {.fd = s->stop_fd, .events = POLLIN}};
+            pthread_mutex_lock(&s->lock);
+            int timeout = s->nhelpers ? HELPER_POLL_MS : -1;
+            pthread_mutex_unlock(&s->lock);
+            int r = poll(p, 2, timeout);
+            if (r < 0 && errno == EINTR)
+                continue;
+            if (r < 0 || p[1].revents) {
+                atomic_store(&s->stopping, 1);
+                break;
+            }
+            if (r == 0) {
+                rescue_helpers(s, false);
+                continue;
+            }
+            if (p[0].revents & POLLIN) {
+                memset(&notif, 0, sizeof notif); /* RECV refuses a buffer that is not zeroed */
+                if (ioctl(s->listener, SECCOMP_IOCTL_NOTIF_RECV, &notif) == 0) {
+                    got = true;
+                    break;
+                }
+                continue; /* ENOENT: the task died before we took its notification */
+            }
+            if (p[0].revents & (POLLHUP | POLLERR | POLLNVAL)) {
+                /* Every task of the filter is gone. */
+                atomic_store(&s->stopping, 1);
+                break;
+            }
+        }
+        pthread_mutex_unlock(&s->leader);
+        if (!got)
+            break;
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        handle(s, &notif);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        atomic_fetch_add(&s->busy_ns, (unsigned long long)((t1.tv_sec - t0.tv_sec) * 1000000000LL +
+                                                           (t1.tv_nsec - t0.tv_nsec)));
+    }
+    tid_cache_clear();
+    return NULL;
+}
+
+static void destroy(struct ccs *s) {
+    if (s->stop_fd >= 0)
+        close(s->stop_fd);
+    if (s->proc_fd >= 0)
+        close(s->proc_fd);
+    pthread_mutex_destroy(&s->leader);
+    pthread_mutex_destroy(&s->lock);
+    pthread_cond_destroy(&s->cond);
+    free(s->globs);
+    free(s->glob_blob);
+    free(s->groups);
+    free(s->threads);
+    free(s);
+}
+
+/* Stop the workers and wait for them and for every FIFO helper; then close the listener (every
+ * notification still pending fails with ENOSYS) and the report fd. */
+void ccs_stop(struct ccs *s);
+
+int ccs_abi_version(void) { return CCS_ABI_VERSION; }
+
+/*
+ * Start supervising `listener` (taken over: closed by ccs_stop). `globs` holds `globs_len`
+ * bytes of NUL-terminated glob patterns. Records go to `report_fd` (taken over; should be
+ * non-blocking: a full pipe drops the record and counts it). `flags` bit 0: ask the kernel to
+ * wake the task on the supervisor's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP, 6.6+; ignored when
+ * unsupported). Returns NULL with a message in `err` on failure (then both fds are closed).
+ */
+struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int report_fd,
+                      int nworkers, unsigned flags, char *err, size_t errlen) {
+    struct ccs *s = calloc(1, sizeof *s);
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        close(listener);
+        close(report_fd);
+        return NULL;
+    }
+    s->listener = listener;
+    s->report_fd = report_fd;
+    s->stop_fd = -1;
+    s->proc_fd = -1;
+    pthread_mutex_init(&s->leader, NULL);
+    pthread_mutex_init(&s->lock, NULL);
+    pthread_cond_init(&s->cond, NULL);
+    if (nworkers < 1 || nworkers > 64 || globs_len == 0 || globs[globs_len - 1] != '\0') {
+        snprintf(err, errlen, "bad arguments (workers %d, %zu glob bytes)", nworkers, globs_len);
+        goto fail;
+    }
+    s->glob_blob = malloc(globs_len);
+    if (!s->glob_blob)
+        goto oom;
+    memcpy(s->glob_blob, globs, globs_len);
+    for (size_t i = 0; i < globs_len; i++)
+        s->nglobs += globs[i] == '\0';
+    s->globs = calloc((size_t)s->nglobs, sizeof(char *));
+    if (!s->globs)
+        goto oom;
+    char *g = s->glob_blob;
+    for (int i = 0; i < s->nglobs; i++) {
+        s->globs[i] = g;
+        g += strlen(g) + 1;
+    }
+    s->uid = geteuid();
+    s->gid = getegid();
+    int ng = getgroups(0, NULL);
+    if (ng < 0 || ng > MAX_GROUPS) {
+        snprintf(err, errlen, "getgroups: %s", strerror(errno));
+        goto fail;
+    }
+    s->groups = calloc((size_t)ng + 1, sizeof(gid_t));
+    if (!s->groups)
+        goto oom;
+    s->ngroups = getgroups(ng, s->groups);
+    if (s->ngroups < 0) {
+        snprintf(err, errlen, "getgroups: %s", strerror(errno));
+        goto fail;
+    }
+    qsort(s->groups, (size_t)s->ngroups, sizeof(gid_t), cmp_gid);
+    s->proc_fd = open("/proc", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    s->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (s->proc_fd < 0 || s->stop_fd < 0) {
+        snprintf(err, errlen, "open /proc or eventfd: %s", strerror(errno));
+        goto fail;
+    }
+    if (flags & 1) {
+        unsigned long long f = SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP;
+        ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, f); /* by value; older kernels: EINVAL */
+    }
+    s->threads = calloc((size_t)nworkers, sizeof(pthread_t));
+    if (!s->threads)
+        goto oom;
+    /* Workers start with every signal blocked: a signal for the server (SIGINT, SIGCHLD) must
+     * not land in them and interrupt an emulated call. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);
+    for (int i = 0; i < nworkers; i++) {
+        int rc = pthread_create(&s->threads[i], NULL, worker, s);
+        if (rc) {
+            pthread_mutex_lock(&s->lock);
+            s->failed++;
+            s->ready++;
+            snprintf(s->setup_error, sizeof s->setup_error, "pthread_create: %s", strerror(rc));
+            pthread_mutex_unlock(&s->lock);
+            break;
+        }
+        s->nworkers++;
+    }
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_mutex_lock(&s->lock);
+    while (s->ready < s->nworkers + (s->nworkers < nworkers))
+        pthread_cond_wait(&s->cond, &s->lock);
+    int failed = s->failed;
+    pthread_mutex_unlock(&s->lock);
+    if (failed) {
+        snprintf(err, errlen, "%s", s->setup_error);
+        ccs_stop(s);
+        return NULL;
+    }
+    return s;
+oom:
+    snprintf(err, errlen, "out of memory");
+fail:
+    close(listener);
+    close(report_fd);
+    destroy(s);
+    return NULL;
+}
+
+void ccs_stop(struct ccs *s) {
+    if (!s)
+        return;
+    atomic_store(&s->stopping, 1);
+    uint64_t one = 1;
+    if (write(s->stop_fd, &one, sizeof one) < 0) {
+        /* cannot fail for an eventfd below its maximum; the flag is set anyway */
+    }
+    for (int i = 0; i < s->nworkers; i++)
+        pthread_join(s->threads[i], NULL);
+    pthread_mutex_lock(&s->lock);
+    while (s->nhelpers > 0) {
+        pthread_mutex_unlock(&s->lock);
+        rescue_helpers(s, true);
+        pthread_mutex_lock(&s->lock);
+        struct timespec deadline;
+        clock_gettime(CLOCK_REALTIME, &deadline);
+        deadline.tv_nsec += STOP_RESCUE_MS * 1000000L;
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000L;
+        }
+        if (s->nhelpers > 0)
+            pthread_cond_timedwait(&s->cond, &s->lock, &deadline);
+    }
+    pthread_mutex_unlock(&s->lock);
+    close(s->listener);
+    close(s->report_fd);
+    destroy(s);
+}
+
+/* Whether every worker has stopped on its own (the sandbox's tasks are all gone). */
+int ccs_finished(struct ccs *s) { return atomic_load(&s->stopping); }
+
+/* Counters: handled notifications, refusals, errors, dropped reports, and the nanoseconds the
+ * workers spent handling notifications (from RECV to the answer). */
+void ccs_stats(struct ccs *s, unsigned long long out[5]) {
+    out[0] = atomic_load(&s->handled);
+    out[1] = atomic_load(&s->refused);
+    out[2] = atomic_load(&s->errors);
+    out[3] = atomic_load(&s->dropped_reports);
+    out[4] = atomic_load(&s->busy_ns);
+}

@@ -1,0 +1,479 @@
+"""The Linux create-time filename rules: no new `.env`, `*.key` or `*.pem` inside the sandbox.
+
+bubblewrap can hide or freeze a path that exists; it cannot refuse a name that does not exist yet.
+This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`):
+
+- `notify_filter_bpf()` is the filter. It traps only what can bring a name into existence:
+  `open`/`openat` when O_CREAT is set (checked in BPF, so plain opens never leave the kernel),
+  `creat`, `mknod(at)`, `mkdir(at)`, `link(at)`, `symlink(at)`, `rename`, `renameat(2)` and
+  every `bind` (the sockaddr is in memory BPF cannot read). `openat2` gets ENOSYS (its flags are
+  in memory too; libc callers fall back), io_uring EPERM (its operations bypass seccomp), and a
+  `seccomp()` call asking for another listener EPERM: a newer filter's listener would receive
+  the notifications first and could answer them itself.
+- `native/launcher.c` runs inside the sandbox as the last step before the command. It installs
+  the filter with raw `seccomp(2)` and NEW_LISTENER | WAIT_KILLABLE_RECV (libseccomp 2.5 cannot
+  set the latter; without it a signal can make an emulated create run twice), sends the
+  listener to the server over an inherited socket, closes it, and execs the command. As the
+  sandbox's PID 1 (bwrap --as-pid-1) it stays on as the reaper, so no process inside lacks the
+  filter.
+- `native/supervisor.c` (a shared library, loaded here with ctypes) answers the notifications
+  from worker threads inside the server, never from Python and never with "continue": it
+  resolves each path itself in the trapping thread's view, creates what is allowed on pinned
+  parent fds, hands opened files back with SECCOMP_IOCTL_NOTIF_ADDFD, and refuses a matching
+  name with EACCES. Its module comment lists every step.
+
+Why compiled, and why these two pieces: the Python spike cost ~110 µs per create (4-9x on a tar
+unpack); the C workers cost a fraction of that, have no GIL to share with the server's event loop,
+and can drop their capabilities and unshare their fs attributes per thread. The launcher must be
+a separate executable because it runs inside the sandbox, where the server's Python is not.
+Both are built by `scripts/bootstrap` with gcc; the probe reports the capability only when both
+exist and the kernel passes the launcher's `--selftest`.
+
+Globs match one file name, case-insensitively (so `X.PEM` cannot alias `x.pem` on a
+case-folding filesystem), with `fnmatch` rules: `*` also matches a leading dot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import functools
+import os
+import socket
+import struct
+import subprocess
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Final
+
+from cc_server.errors import EnforcementFailed
+
+if TYPE_CHECKING:
+    import asyncio
+
+__all__ = [
+    "ABI_VERSION",
+    "GUEST_LAUNCHER",
+    "LAUNCHER_NAME",
+    "LIBRARY_NAME",
+    "NATIVE_DIR",
+    "TRAPPED_SYSCALLS",
+    "CreateRefused",
+    "CreateRuleSupervisor",
+    "CreateRulesCheck",
+    "Report",
+    "SupervisorFault",
+    "SupervisorStats",
+    "check_create_rules",
+    "notify_filter_bpf",
+    "receive_listener",
+    "stop_supervisor",
+    "watch_reports",
+]
+
+ABI_VERSION: Final = 1  # must equal CCS_ABI_VERSION in native/supervisor.c
+NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
+LAUNCHER_NAME: Final = "cc-create-launcher"
+LIBRARY_NAME: Final = "libcc-create-supervisor.so"
+GUEST_LAUNCHER: Final = "/run/cc-create/launcher"  # where the sandbox sees the launcher
+SELFTEST_TIMEOUT_S: Final = 10.0  # one fork and one notification; milliseconds normally
+LISTENER_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's listener arriving
+WORKERS: Final = 3  # per sandboxed command; a slow open holds one, FIFOs go to helper threads
+REPORT_PIPE_BYTES: Final = 1 << 20  # room for ~500 refusals the event loop has not read yet
+STOP_TIMEOUT_S: Final = 5.0  # joining the workers; they stop within one poll
+
+# Trapped unconditionally (open and openat only with O_CREAT). Names a libseccomp build does not
+# know on an architecture (open, creat, ... on arm64) are skipped by libseccomp itself.
+TRAPPED_SYSCALLS: Final[tuple[tuple[str, str], ...]] = (
+    ("creat", "creates its path"),
+    ("mknod", "creates a file, FIFO or socket node"),
+    ("mknodat", "creates a file, FIFO or socket node"),
+    ("mkdir", "creates a directory"),
+    ("mkdirat", "creates a directory"),
+    ("link", "gives an inode a new name"),
+    ("linkat", "gives an inode a new name (also an O_TMPFILE file by fd)"),
+    ("symlink", "creates a symlink"),
+    ("symlinkat", "creates a symlink"),
+    ("rename", "moves an inode to a new name"),
+    ("renameat", "moves an inode to a new name"),
+    ("renameat2", "moves or exchanges names"),
+    ("bind", "an AF_UNIX pathname socket creates a name; the family is in memory"),
+)
+SECCOMP_SET_MODE_FILTER: Final = 1
+SECCOMP_FILTER_FLAG_NEW_LISTENER: Final = 1 << 3
+SECCOMP_LISTENER_LINK: Final = "anon_inode:seccomp notify"  # readlink of a listener fd
+
+
+@functools.cache
+def notify_filter_bpf() -> bytes:
+    """The create-rule filter as classic BPF bytes, for the launcher's `--filter` fd.
+
+    Raises:
+        OSError: libseccomp is missing or refused a rule (the caller refuses the launch).
+    """
+    import pyseccomp as sc  # lazy import (loads libseccomp via ctypes; only when planning)
+
+    flt = sc.SyscallFilter(sc.ALLOW)
+    flt.add_rule(sc.NOTIFY, "open", sc.Arg(1, sc.MASKED_EQ, os.O_CREAT, os.O_CREAT))
+    flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, os.O_CREAT, os.O_CREAT))
+    for name, _reason in TRAPPED_SYSCALLS:
+        flt.add_rule(sc.NOTIFY, name)
+    flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
+    for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
+        flt.add_rule(sc.ERRNO(errno.EPERM), name)
+    flt.add_rule(
+        sc.ERRNO(errno.EPERM),
+        "seccomp",
+        sc.Arg(0, sc.EQ, SECCOMP_SET_MODE_FILTER),
+        sc.Arg(1, sc.MASKED_EQ, SECCOMP_FILTER_FLAG_NEW_LISTENER, SECCOMP_FILTER_FLAG_NEW_LISTENER),
+    )
+    fd = os.memfd_create("cc-create-filter", os.MFD_CLOEXEC)
+    try:
+        with os.fdopen(os.dup(fd), "wb", buffering=0) as handle:
+            flt.export_bpf(handle)
+        size = os.lseek(fd, 0, os.SEEK_END)
+        return os.pread(fd, size, 0)
+    finally:
+        os.close(fd)
+
+
+# --- the probe's check ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateRulesCheck:
+    """Whether this host can enforce create-time filename rules, and with what."""
+
+    available: bool
+    launcher: str | None = None
+    """Absolute path of the launcher, when available."""
+    library: str | None = None
+    """Absolute path of the supervisor library, when available."""
+    hint: str | None = None
+    """Why not, and the fix; None when available."""
+
+
+_BUILD_HINT = "build it with scripts/bootstrap (needs gcc and the C library headers)"
+
+
+def _absent(hint: str) -> CreateRulesCheck:
+    return CreateRulesCheck(available=False, hint=hint)
+
+
+def check_create_rules(native_dir: Path = NATIVE_DIR) -> CreateRulesCheck:
+    """Look for the launcher and the supervisor library in `native_dir` and check the kernel
+    with `launcher --selftest` (user notification with ADDFD_FLAG_SEND and WAIT_KILLABLE_RECV).
+
+    Raises nothing: every failure is an unavailable result with a hint.
+    """
+    launcher = native_dir / LAUNCHER_NAME
+    library = native_dir / LIBRARY_NAME
+    missing = [p.name for p in (launcher, library) if not p.is_file()]
+    if missing:
+        return CreateRulesCheck(
+            available=False,
+            hint=f"the create-rule supervisor is not built ({', '.join(missing)} missing in "
+            f"{native_dir}); {_BUILD_HINT}",
+        )
+    if not os.access(launcher, os.X_OK):
+        return _absent(f"{launcher} is not executable; {_BUILD_HINT}")
+    try:
+        done = subprocess.run(
+            [str(launcher), "--selftest"],
+            env={},
+            cwd="/",
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=SELFTEST_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return CreateRulesCheck(available=False, hint=f"the launcher selftest failed: {exc}")
+    if done.returncode != 0:
+        said = (done.stdout + done.stderr).decode(errors="replace").strip() or (
+            f"exit status {done.returncode}"
+        )
+        return CreateRulesCheck(
+            available=False, hint=f"this kernel cannot run the create-rule supervisor: {said}"
+        )
+    try:
+        version = _library(str(library)).ccs_abi_version()
+    except OSError as exc:
+        return _absent(f"cannot load {library}: {exc}; {_BUILD_HINT}")
+    if version != ABI_VERSION:
+        return CreateRulesCheck(
+            available=False,
+            hint=f"{library} has ABI {version}, this cc-server needs {ABI_VERSION}; {_BUILD_HINT}",
+        )
+    return CreateRulesCheck(available=True, launcher=str(launcher), library=str(library))
+
+
+# --- the supervisor ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateRefused:
+    """A name the supervisor refused to create (the process got EACCES)."""
+
+    syscall: str
+    target: str
+    """The path as the process named it (for a rename or link: the new path)."""
+    name: str
+    """The name that would have been created (through a symlink, the link's target's name)."""
+    glob: str
+    """The glob it matched."""
+
+    @property
+    def raw(self) -> str:
+        """One line for logs and SandboxViolation.raw."""
+        return f"{self.syscall}: refused to create {self.name!r} (matches {self.glob!r})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorFault:
+    """A notification the supervisor could not decode or emulate; the call was refused."""
+
+    syscall: str
+    detail: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SupervisorStats:
+    """What one supervisor has done so far."""
+
+    handled: int
+    """Notifications received (every trapped call)."""
+    refused: int
+    faults: int
+    dropped_reports: int
+    """Reports lost because the pipe was full (the refusals themselves still happened)."""
+    busy_s: float
+    """Time the workers spent handling notifications, from RECV to the answer."""
+
+
+Report = CreateRefused | SupervisorFault
+_LENGTH = struct.Struct("<I")
+
+
+class _Handle(ctypes.c_void_p):
+    """The library's `struct ccs *`."""
+
+
+@functools.cache
+def _library(path: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(path)
+    lib.ccs_abi_version.restype = ctypes.c_int
+    lib.ccs_abi_version.argtypes = []
+    lib.ccs_start.restype = _Handle
+    lib.ccs_start.argtypes = [
+        ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+        ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t,
+    ]  # fmt: skip
+    lib.ccs_stop.restype = None
+    lib.ccs_stop.argtypes = [_Handle]
+    lib.ccs_stats.restype = None
+    lib.ccs_stats.argtypes = [_Handle, ctypes.POINTER(ctypes.c_ulonglong * 5)]
+    return lib
+
+
+def _parse(buffer: bytearray) -> list[Report]:
+    """Take every complete record off the front of `buffer`."""
+    reports: list[Report] = []
+    while len(buffer) >= _LENGTH.size:
+        (length,) = _LENGTH.unpack_from(buffer)
+        if len(buffer) < _LENGTH.size + length:
+            break
+        body = bytes(buffer[_LENGTH.size : _LENGTH.size + length])
+        del buffer[: _LENGTH.size + length]
+        fields = [os.fsdecode(f) for f in body.split(b"\0")]
+        if len(fields) < 5:
+            continue  # not a record this version writes
+        kind, syscall, target, name, detail = fields[:5]
+        if kind == "R":
+            reports.append(CreateRefused(syscall=syscall, target=target, name=name, glob=detail))
+        else:
+            reports.append(SupervisorFault(syscall=syscall, detail=detail))
+    return reports
+
+
+class CreateRuleSupervisor:
+    """The supervisor of one sandboxed command: native worker threads answering its listener.
+
+    Reports (refusals and faults) arrive on `report_fd`; call `drain()` when it is readable.
+    `close()` stops the workers, closes the listener (calls still pending then fail with
+    ENOSYS) and returns the last reports; it is idempotent.
+    """
+
+    def __init__(self, handle: _Handle, lib: ctypes.CDLL, report_fd: int) -> None:
+        self._handle: _Handle | None = handle
+        self._lib = lib
+        self.report_fd = report_fd
+        self._buffer = bytearray()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def start(
+        cls,
+        listener: int,
+        globs: Iterable[str],
+        *,
+        library: str,
+        workers: int = WORKERS,
+        sync_wake: bool = True,
+    ) -> CreateRuleSupervisor:
+        """Supervise `listener` (taken over, closed on failure too) for names matching `globs`.
+
+        Raises:
+            EnforcementFailed: the library could not be loaded or its workers not started.
+        """
+        blob = b"".join(os.fsencode(g) + b"\0" for g in globs)
+        try:
+            lib = _library(library)
+            read_fd, write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as exc:
+            os.close(listener)
+            raise EnforcementFailed(f"cannot start the create-rule supervisor: {exc}") from exc
+        with contextlib.suppress(OSError):  # a smaller pipe only means reports drop sooner
+            fcntl_setpipe_sz(write_fd, REPORT_PIPE_BYTES)
+        error = ctypes.create_string_buffer(256)
+        handle = lib.ccs_start(
+            listener, blob, len(blob), write_fd, workers, 1 if sync_wake else 0, error, 256
+        )
+        if not handle:  # the library closed the listener and the pipe's write end
+            os.close(read_fd)
+            raise EnforcementFailed(
+                f"cannot start the create-rule supervisor: {error.value.decode(errors='replace')}"
+            )
+        return cls(handle, lib, read_fd)
+
+    def drain(self) -> list[Report]:
+        """The reports written since the last call, without blocking."""
+        with self._lock:
+            if self.report_fd < 0:
+                return []
+            while True:
+                try:
+                    chunk = os.read(self.report_fd, 65536)
+                except BlockingIOError:
+                    break
+                if not chunk:
+                    break
+                self._buffer += chunk
+            return _parse(self._buffer)
+
+    def stats(self) -> SupervisorStats:
+        """Counters so far (zeros once closed)."""
+        out = (ctypes.c_ulonglong * 5)()
+        with self._lock:
+            if self._handle is not None:
+                self._lib.ccs_stats(self._handle, ctypes.byref(out))
+        return SupervisorStats(
+            handled=out[0], refused=out[1], faults=out[2], dropped_reports=out[3],
+            busy_s=out[4] / 1e9,
+        )
+
+    def close(self) -> list[Report]:
+        """Stop the workers (blocking: call it off the event loop) and return the last reports."""
+        with self._lock:
+            handle, self._handle = self._handle, None
+        if handle is not None:
+            self._lib.ccs_stop(handle)  # ctypes releases the GIL meanwhile
+        reports = self.drain()
+        with self._lock:
+            if self.report_fd >= 0:
+                os.close(self.report_fd)
+                self.report_fd = -1
+        return reports
+
+
+def fcntl_setpipe_sz(fd: int, size: int) -> None:
+    """F_SETPIPE_SZ (Linux); raises OSError when refused."""
+    import fcntl
+
+    fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), size)
+
+
+# --- handing the listener over ------------------------------------------------------------------
+
+
+def _is_listener(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}") == SECCOMP_LISTENER_LINK
+    except OSError:
+        return False
+
+
+async def receive_listener(sock: socket.socket, timeout_s: float = LISTENER_TIMEOUT_S) -> int:
+    """Wait for the launcher's listener on `sock` (the server's end of the socketpair).
+
+    Raises:
+        EnforcementFailed: the launcher exited or sent something else, or nothing came in
+            `timeout_s`; the command has not run (the launcher execs it only after sending).
+    """
+    import asyncio  # lazy import (the CLI's attached path never gets here)
+
+    loop = asyncio.get_running_loop()
+    sock.setblocking(False)
+    arrived: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not arrived.done():
+            arrived.set_result(None)
+
+    loop.add_reader(sock.fileno(), readable)
+    try:
+        async with asyncio.timeout(timeout_s):
+            while True:
+                await arrived
+                try:
+                    data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
+                except BlockingIOError:
+                    arrived = loop.create_future()
+                    continue
+                break
+    except TimeoutError:
+        raise EnforcementFailed(
+            f"the create-rule launcher sent no listener within {timeout_s:g} s; "
+            "the command was not run"
+        ) from None
+    finally:
+        loop.remove_reader(sock.fileno())
+    if data != b"L" or len(fds) != 1 or not _is_listener(fds[0]):
+        for fd in fds:
+            os.close(fd)
+        raise EnforcementFailed(
+            "the create-rule launcher exited without handing over its seccomp listener; "
+            "the command was not run"
+        )
+    os.set_inheritable(fds[0], False)
+    return fds[0]
+
+
+async def stop_supervisor(
+    supervisor: CreateRuleSupervisor, on_report: Callable[[Report], None]
+) -> None:
+    """Stop `supervisor` off the event loop and pass its last reports to `on_report`."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    with contextlib.suppress(ValueError, OSError):
+        loop.remove_reader(supervisor.report_fd)
+    for report in await asyncio.to_thread(supervisor.close):
+        on_report(report)
+
+
+def watch_reports(
+    loop: asyncio.AbstractEventLoop,
+    supervisor: CreateRuleSupervisor,
+    on_report: Callable[[Report], None],
+) -> None:
+    """Pass every report to `on_report` as soon as the event loop sees the pipe readable."""
+
+    def readable() -> None:
+        for report in supervisor.drain():
+            on_report(report)
+
+    loop.add_reader(supervisor.report_fd, readable)
