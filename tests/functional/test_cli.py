@@ -92,20 +92,47 @@ def test_run_events_json_reports_stderr_and_the_exit_code(env: dict[str, str]) -
     assert events[-1]["type"] == "exit" and events[-1]["exitCode"] == 5
 
 
-def test_run_with_a_deny_create_rule_is_refused_and_never_runs(
+def test_run_with_a_deny_create_rule_refuses_the_name_and_reports_it(
     env: dict[str, str], work: pathlib.Path
 ) -> None:
-    marker = work / "ran"
-    # Control: without the rule the same command does create the marker through the bind.
-    control = cli("run", "--bind", work, "--", "touch", marker, env=env)
-    assert control.returncode == 0, control.stderr
-    assert marker.exists()
-    marker.unlink()
+    script = f"touch {work}/ran.txt && touch {work}/no.pem"
+    proc = cli("run", "--deny-create", "*.pem", "--bind", work, "--", "sh", "-c", script, env=env)
+    assert proc.returncode == 1, proc.stderr
+    assert "Permission denied" in proc.stderr
+    assert f"cc-server: violation: file-write-create {work}/no.pem" in proc.stderr
+    assert (work / "ran.txt").exists() and not (work / "no.pem").exists()
 
-    proc = cli("run", "--deny-create", "*.pem", "--bind", work, "--", "touch", marker, env=env)
-    assert proc.returncode == 125
-    assert "create-time filename rules" in proc.stderr
-    assert "BackendUnavailable" in proc.stderr
+
+def _without_create_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's CLI sees the host as if the create-rule supervisor were not built."""
+    import dataclasses
+
+    from cc_server import cli as cli_module
+    from cc_server.backends.probe import probe
+
+    def stripped() -> Any:
+        result = probe()
+        tools = {k: v for k, v in result.tools.items() if not k.startswith("cc-create-")}
+        return dataclasses.replace(result, tools=tools, create_rules=False)
+
+    monkeypatch.setattr(cli_module, "probe", stripped)
+
+
+@pytest.mark.parametrize("verb", ["run", "plan"])
+def test_a_deny_create_rule_without_the_supervisor_is_refused_and_never_runs(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    work: pathlib.Path,
+    verb: str,
+) -> None:
+    from cc_server.cli import main
+
+    _without_create_rules(monkeypatch)
+    marker = work / "ran"
+    code = main([verb, "--deny-create", "*.pem", "--bind", str(work), "--", "touch", str(marker)])
+    err = capsys.readouterr().err
+    assert code == 125, err
+    assert "create-time filename rules" in err and "BackendUnavailable" in err
     assert not marker.exists()
 
 
@@ -236,10 +263,17 @@ def test_plan_json_parses_and_runs_nothing(env: dict[str, str], work: pathlib.Pa
     assert not marker.exists()
 
 
-def test_plan_with_a_deny_create_rule_is_refused(env: dict[str, str]) -> None:
-    proc = cli("plan", "--deny-create", "*.pem", "--", "true", env=env)
-    assert proc.returncode == 125
-    assert "create-time filename rules" in proc.stderr
+def test_plan_with_a_deny_create_rule_shows_the_launcher(env: dict[str, str]) -> None:
+    proc = cli("plan", "--json", "--deny-create", "*.pem", "--", "true", env=env)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["createRules"] == {"globs": ["*.pem"], "supervised": True}
+    argv = plan["argv"]
+    assert "--as-pid-1" in argv
+    launcher = argv.index("/run/cc-create/launcher", argv.index("--"))
+    assert argv[launcher + 1 : launcher + 5] == [
+        "--filter", "<fd:create-rules.bpf>", "--socket", "<fd:create-rules.sock>",
+    ]  # fmt: skip
 
 
 def test_probe_json_reports_bubblewrap(env: dict[str, str]) -> None:
@@ -248,7 +282,8 @@ def test_probe_json_reports_bubblewrap(env: dict[str, str]) -> None:
     result = json.loads(proc.stdout)
     assert result["available"] is True
     assert result["mechanism"] == "bubblewrap"
-    assert set(result["tools"]) == {"bwrap", "socat"}
+    assert set(result["tools"]) == {"bwrap", "socat", "cc-create-launcher", "cc-create-supervisor"}
+    assert result["createRules"] is True and result["createRulesHint"] is None
 
 
 def test_probe_text(env: dict[str, str]) -> None:

@@ -7,6 +7,7 @@ caller of the library would. $HOME is a directory under tmp_path, never the real
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import time
 from typing import Any
@@ -305,13 +306,41 @@ async def test_explicit_microvm_is_unavailable_and_nothing_is_kept(
     manager.launch(spec())  # the session id was not taken by the failed launch
 
 
+def without_create_rules(result: ProbeResult) -> ProbeResult:
+    """The same host as if the create-rule supervisor were not built."""
+    tools = {k: v for k, v in result.tools.items() if not k.startswith("cc-create-")}
+    return dataclasses.replace(
+        result, tools=tools, create_rules=False, create_rules_hint="not built (test)"
+    )
+
+
 @pytest.mark.parametrize("backend", [None, SandboxBackend.NATIVE])
-async def test_deny_create_globs_on_native_are_unavailable(
+async def test_deny_create_globs_without_the_supervisor_are_unavailable(
+    probe_result: ProbeResult, host: HostFacts, backend: SandboxBackend | None
+) -> None:
+    manager = SandboxManager(probe_result=without_create_rules(probe_result), host=host)
+    try:
+        with pytest.raises(BackendUnavailable, match="create-time filename rules"):
+            manager.launch(spec(), backend=backend, deny_create_globs=["*.pem"])
+        assert manager.handles == {}
+    finally:
+        await manager.aclose()
+
+
+@pytest.mark.parametrize("backend", [None, SandboxBackend.NATIVE])
+async def test_deny_create_globs_with_the_supervisor_run_and_refuse_the_name(
     manager: SandboxManager, backend: SandboxBackend | None
 ) -> None:
-    with pytest.raises(BackendUnavailable, match="create-time filename rules"):
-        manager.launch(spec(), backend=backend, deny_create_globs=["*.pem"])
-    assert manager.handles == {}
+    assert manager.probe_result.create_rules, manager.probe_result.create_rules_hint
+    handle = manager.launch(spec(), backend=backend, deny_create_globs=["*.pem"])
+    assert handle.backend is SandboxBackend.NATIVE
+    result = await run_collect(
+        handle, ["/bin/sh", "-c", "cd /tmp && touch ok.txt && touch no.pem"],
+        timeout_s=RUN_TIMEOUT_S,
+    )
+    assert result.exit_code == 1, result
+    assert b"Permission denied" in result.stderr
+    assert [(v.action, v.target) for v in result.violations] == [("file-write-create", "no.pem")]
 
 
 async def test_none_backend_runs_on_the_host(manager: SandboxManager) -> None:

@@ -8,11 +8,13 @@
 | protectedPaths (inside a bind) | no   | no     | no   | no          |
 | .bashrc in a runner state dir  | no   | no     | no   | no          |
 
-And a policy that needs create-time filename rules is refused on Linux before anything runs.
+And a policy that needs create-time filename rules is refused on Linux before anything runs when
+the host has no create-rule supervisor; with it, the same policy runs and the names are refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 from typing import Any
 
@@ -22,6 +24,7 @@ from escape_kit import Sandboxes, attempts, outcomes, output
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, Mode, SandboxBackend, parse_spec
 from cc_server.runtime import handle as handle_module
+from cc_server.runtime.port import SandboxManager
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -127,9 +130,17 @@ class _SpawnSpy:
         return await self.real(*args, **kwargs)
 
 
+def _without_create_rules(sb: Sandboxes) -> SandboxManager:
+    """The same host as if the create-rule supervisor were not built."""
+    result = sb.manager.probe_result
+    tools = {k: v for k, v in result.tools.items() if not k.startswith("cc-create-")}
+    stripped = dataclasses.replace(result, tools=tools, create_rules=False)
+    return SandboxManager(probe_result=stripped, host=sb.manager.host)
+
+
 @pytest.mark.parametrize("globs", [("*.pem",), STANDARD_DENY_CREATE_GLOBS], ids=["pem", "standard"])
 @pytest.mark.parametrize("backend", [None, SandboxBackend.NATIVE], ids=["default", "native"])
-async def test_create_time_globs_are_refused_before_anything_runs(
+async def test_create_time_globs_without_the_supervisor_are_refused_before_anything_runs(
     sb: Sandboxes,
     monkeypatch: pytest.MonkeyPatch,
     globs: tuple[str, ...],
@@ -138,18 +149,39 @@ async def test_create_time_globs_are_refused_before_anything_runs(
     spy = _SpawnSpy(handle_module.start)
     monkeypatch.setattr(handle_module, "start", spy)
     spec = parse_spec(sb.spec(sessionId="globbed"))
+    manager = _without_create_rules(sb)
+    try:
+        with pytest.raises(BackendUnavailable) as caught:
+            manager.launch(spec, backend=backend, deny_create_globs=globs)
+        assert "create" in str(caught.value) and globs[0] in str(caught.value)
+        # Refused, not stepped down to `none`: no handle, no process, nothing on disk.
+        assert manager.handles == {}
+        assert spy.calls == 0
+        assert sorted(p.name for p in sb.worktree.iterdir()) == ["README"]
 
-    with pytest.raises(BackendUnavailable) as caught:
-        sb.manager.launch(spec, backend=backend, deny_create_globs=globs)
-    assert "create" in str(caught.value) and globs[0] in str(caught.value)
-    # Refused, not stepped down to `none`: no handle, no process, nothing on disk.
-    assert sb.manager.handles == {}
-    assert spy.calls == 0
-    assert sorted(p.name for p in sb.worktree.iterdir()) == ["README"]
+        # Control: the same spec without the globs launches natively and really runs.
+        handle = manager.launch(spec, backend=backend)
+        assert handle.backend is SandboxBackend.NATIVE
+        result = await sb.sh(handle, f"echo ran > {sb.worktree}/ran.pem")
+        assert result.exit_code == 0 and spy.calls == 1
+        assert (sb.worktree / "ran.pem").read_text() == "ran\n"
+    finally:
+        await manager.aclose()
 
-    # Control: the same spec without the globs launches natively and really runs.
-    handle = sb.manager.launch(spec, backend=backend)
-    assert handle.backend is SandboxBackend.NATIVE
-    result = await sb.sh(handle, f"echo ran > {sb.worktree}/ran.pem")
-    assert result.exit_code == 0 and spy.calls == 1
-    assert (sb.worktree / "ran.pem").read_text() == "ran\n"
+
+@pytest.mark.parametrize("globs", [("*.pem",), STANDARD_DENY_CREATE_GLOBS], ids=["pem", "standard"])
+@pytest.mark.parametrize("backend", [None, SandboxBackend.NATIVE], ids=["default", "native"])
+async def test_create_time_globs_with_the_supervisor_run_natively_and_refuse_the_names(
+    sb: Sandboxes, globs: tuple[str, ...], backend: SandboxBackend | None
+) -> None:
+    assert sb.manager.probe_result.create_rules, sb.manager.probe_result.create_rules_hint
+    spec = parse_spec(sb.spec(sessionId="globbed"))
+    handle = sb.manager.launch(spec, backend=backend, deny_create_globs=globs)
+    assert handle.backend is SandboxBackend.NATIVE  # not stepped down to `none`
+    wt = sb.worktree
+    result = await sb.sh(
+        handle, attempts(refused=f"echo x > {wt}/ran.pem", allowed=f"echo x > {wt}/ran.txt")
+    )
+    assert outcomes(result) == {"refused": "fail", "allowed": "ok"}, output(result)
+    assert sorted(p.name for p in sb.worktree.iterdir()) == ["README", "ran.txt"]
+    assert [v.target for v in result.violations] == [f"{sb.worktree}/ran.pem"]

@@ -8,14 +8,27 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_argv
-from cc_server.backends.plan import Command, FdArg, LaunchPlan
+from cc_server.backends.plan import Command, CreateRules, FdArg, InheritedFd, LaunchPlan
 from cc_server.backends.seccomp import filter_bpf
+from cc_server.backends.supervisor import GUEST_LAUNCHER, notify_filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
 from cc_server.policy import CompiledPolicy, HostFacts, Mount, SandboxBackend
 
-__all__ = ["SANDBOX_HOSTNAME", "SYSTEM_RO_PATHS", "plan_bubblewrap"]
+__all__ = ["SANDBOX_HOSTNAME", "SYSTEM_RO_PATHS", "CreateRuleTools", "plan_bubblewrap"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateRuleTools:
+    """The create-rule supervisor's two pieces, as the probe resolved them (absolute paths)."""
+
+    launcher: str
+    """Runs inside the sandbox before the command: installs the filter, hands over its listener."""
+    library: str
+    """The supervisor the server loads to answer the listener (see backends/supervisor.py)."""
+
 
 SANDBOX_HOSTNAME = "cc-sandbox"
 
@@ -50,15 +63,16 @@ def _ancestors_between(root: str, path: str) -> list[str]:
     return out
 
 
-def _check_policy(policy: CompiledPolicy) -> None:
-    if policy.requires_create_rules:
+def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) -> None:
+    if policy.requires_create_rules and create_rules is None:
         raise BackendUnavailable(
             "this policy forbids creating files by name pattern "
-            f"({', '.join(policy.deny_create_globs)}); bubblewrap can shadow existing paths but "
-            "cannot refuse a new name inside a writable bind, so the run is refused rather than "
-            "started with a weaker policy",
-            fix="a backend with create-time filename rules is required to restore Linux native "
-            "dispatch; disabling the sandbox is an unconfined opt-out, not an equivalent",
+            f"({', '.join(policy.deny_create_globs)}); bubblewrap alone can shadow existing paths "
+            "but cannot refuse a new name inside a writable bind, and this host has no "
+            "create-time filename rules (see `cc-server probe`), so the run is refused rather "
+            "than started with a weaker policy",
+            fix="build the create-rule supervisor with scripts/bootstrap (gcc) on Linux 5.19 or "
+            "newer; disabling the sandbox is an unconfined opt-out, not an equivalent",
         )
     for mount in policy.mounts:
         if mount.guest_path != mount.literal_path:
@@ -245,6 +259,39 @@ def _step_egress(
     return bind, bridged_argv(socat, command.argv)
 
 
+_Word = str | FdArg | InheritedFd
+
+
+def _step_create_rules(
+    policy: CompiledPolicy, tools: CreateRuleTools | None, argv: tuple[str, ...]
+) -> tuple[list[_Word], tuple[_Word, ...], CreateRules | None]:
+    # 7b. Create-time filename rules: the launcher, bound read-only, runs as the sandbox's PID 1
+    #     (so no process inside lacks the filter), installs the create-rule filter, sends its
+    #     listener to the server's supervisor and only then runs the command (and the egress
+    #     bridge's prologue, so socat is filtered too).
+    if not policy.requires_create_rules:
+        return [], argv, None
+    assert tools is not None  # _check_policy refused the launch otherwise
+    for path in (tools.launcher, tools.library):
+        if not posixpath.isabs(path):
+            raise EnforcementFailed(f"{path!r} is not absolute; it must come from the probe")
+    try:
+        bpf = notify_filter_bpf()
+    except OSError as exc:
+        raise EnforcementFailed(
+            f"could not build the create-rule filter: {exc}",
+            fix="install libseccomp2 (apt-get install libseccomp2)",
+        ) from exc
+    sock = InheritedFd(name="create-rules.sock")
+    bind: list[_Word] = ["--as-pid-1", "--ro-bind", tools.launcher, GUEST_LAUNCHER]
+    wrapped: tuple[_Word, ...] = (
+        GUEST_LAUNCHER, "--filter", FdArg(name="create-rules.bpf", data=bpf), "--socket", sock,
+        "--", *argv,
+    )  # fmt: skip
+    rules = CreateRules(globs=policy.deny_create_globs, socket=sock, library=tools.library)
+    return bind, wrapped, rules
+
+
 def plan_bubblewrap(
     policy: CompiledPolicy,
     command: Command,
@@ -254,11 +301,14 @@ def plan_bubblewrap(
     socat: str | None = None,
     new_session: bool = True,
     share_net: bool = False,
+    create_rules: CreateRuleTools | None = None,
 ) -> LaunchPlan:
     """Plan a bubblewrap launch of `command` under `policy`.
 
     `bwrap` and `socat` are the absolute paths the probe resolved; `socat` is needed only when
-    the command carries an egress bridge.
+    the command carries an egress bridge. `create_rules` (the probe's launcher and supervisor)
+    is needed only when the policy has create-time globs; the plan then says so in
+    `LaunchPlan.create_rules`, and its caller must run the supervisor (runtime/handle.py does).
 
     Two switches exist for the server-hosted terminal's fixed profile only (terminal.profile):
     `new_session=False` omits `--new-session`, so the shell keeps the PTY it was started on as its
@@ -267,9 +317,10 @@ def plan_bubblewrap(
     host's network namespace instead of the egress bridge (the profile's network is open).
 
     Raises:
-        BackendUnavailable: the policy needs create-time filename rules, which bwrap cannot enforce.
+        BackendUnavailable: the policy needs create-time filename rules and `create_rules` is
+            None (this host has no supervisor for them).
         BadSpec: a mount asks for a guest path other than its host path, or a command is empty.
-        EnforcementFailed: the seccomp filter could not be built, socat is missing for the
+        EnforcementFailed: a seccomp filter could not be built, socat is missing for the
             egress bridge, or an egress bridge was asked for with the host network shared.
     """
     if share_net and command.egress is not None:
@@ -280,7 +331,7 @@ def plan_bubblewrap(
         raise EnforcementFailed(
             f"bwrap path {bwrap!r} is not absolute; it must come from the probe"
         )
-    _check_policy(policy)
+    _check_policy(policy, create_rules)
     try:
         bpf = filter_bpf()
     except OSError as exc:
@@ -292,15 +343,17 @@ def plan_bubblewrap(
     pinned: set[str] = {m.host_path for m in policy.mounts}
     read_only: set[str] = set()  # made read-only by step 5; pins must not re-open them
     cwd = command.cwd or _default_cwd(policy, host)
-    argv: list[str | FdArg] = [bwrap]
+    argv: list[_Word] = [bwrap]
     argv += _step_namespaces(new_session=new_session, share_net=share_net)
     argv += _step_system(host)
     argv += _step_home(host, policy.mounts)
     argv += _step_binds(host, policy.mounts)
     argv += _step_deny_write(host, policy, pinned, read_only)
     argv += _step_deny_read(host, policy, pinned, read_only)
-    bridge_args, inner_argv = _step_egress(policy, command, socat)
+    bridge_args, bridged = _step_egress(policy, command, socat)
     argv += bridge_args
+    rules_args, inner_argv, rules = _step_create_rules(policy, create_rules, bridged)
+    argv += rules_args
     # 8. Everything not explicitly writable above is read-only, including the sandbox's root.
     argv += ["--remount-ro", "/"]
     # 9. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
@@ -321,7 +374,13 @@ def plan_bubblewrap(
             ("network: open (the host's network namespace; terminal profile)",)
             if share_net
             else _notes(policy, command)
+        )
+        + (
+            (f"create-time names refused: {', '.join(rules.globs)} (seccomp supervisor)",)
+            if rules is not None
+            else ()
         ),
+        create_rules=rules,
     )
 
 

@@ -8,7 +8,15 @@ from dataclasses import dataclass, field
 
 from cc_server.policy import CompiledPolicy, SandboxBackend
 
-__all__ = ["Command", "EgressBridge", "FdArg", "LaunchPlan", "Planner"]
+__all__ = [
+    "Command",
+    "CreateRules",
+    "EgressBridge",
+    "FdArg",
+    "InheritedFd",
+    "LaunchPlan",
+    "Planner",
+]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,6 +60,31 @@ class FdArg:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class InheritedFd:
+    """An argv slot the runner fills with the number of an fd its caller passes at spawn (a
+    socket, say), looked up by `name`. A plan with such a slot needs a caller that provides it."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"<fd:{self.name}>"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateRules:
+    """Create-time filename rules a supervisor in the server enforces for this launch.
+
+    The caller of the runner passes one end of a socketpair as `socket`; the launcher inside
+    the sandbox sends its seccomp listener over it, and the supervisor (`library`, resolved by
+    the probe) answers every trapped call (see backends/supervisor.py).
+    """
+
+    globs: tuple[str, ...]
+    socket: InheritedFd
+    library: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchPlan:
     """A complete, auditable description of one launch.
 
@@ -60,10 +93,11 @@ class LaunchPlan:
     """
 
     backend: SandboxBackend
-    argv: tuple[str | FdArg, ...]
+    argv: tuple[str | FdArg | InheritedFd, ...]
     env: tuple[tuple[str, str], ...]
     cwd: str | None = None
     notes: tuple[str, ...] = ()
+    create_rules: CreateRules | None = None
 
     def render(self) -> str:
         """Human-readable form: one argv word per line, pairs of bwrap options kept together."""
@@ -75,17 +109,22 @@ class LaunchPlan:
         lines.append("argv:")
         lines.extend(f"  {shlex.quote(str(a))}" for a in self.argv)
         lines.extend(f"note: {n}" for n in self.notes)
+        if self.create_rules is not None:
+            lines.append(f"create rules: {', '.join(self.create_rules.globs)} (supervised)")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, object]:
         """JSON-ready form for `cc-server plan --json` and the API."""
-        return {
+        out: dict[str, object] = {
             "backend": str(self.backend),
             "argv": [str(a) for a in self.argv],
             "env": dict(self.env),
             "cwd": self.cwd,
             "notes": list(self.notes),
         }
+        if self.create_rules is not None:
+            out["createRules"] = {"globs": list(self.create_rules.globs), "supervised": True}
+        return out
 
 
 Planner = Callable[[CompiledPolicy, Command], "LaunchPlan"]

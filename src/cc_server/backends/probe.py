@@ -14,11 +14,17 @@ import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from cc_server.policy.host import Platform, detect_platform
 
+if TYPE_CHECKING:
+    from cc_server.backends.supervisor import CreateRulesCheck
+
 __all__ = [
     "BUBBLEWRAP_NOTE",
+    "CREATE_LAUNCHER_TOOL",
+    "CREATE_SUPERVISOR_TOOL",
     "NOT_OFFERED_HINT",
     "SANDBOX_EXEC_PATH",
     "SEATBELT_NOTE",
@@ -39,6 +45,8 @@ SANDBOX_EXEC_PATH = "/usr/bin/sandbox-exec"
 # Generous for one `bwrap ... /bin/true` (milliseconds normally); a hung bwrap must not hang boot.
 SELFTEST_TIMEOUT_S = 10.0
 
+CREATE_LAUNCHER_TOOL = "cc-create-launcher"  # probe tools key: the launcher's absolute path
+CREATE_SUPERVISOR_TOOL = "cc-create-supervisor"  # probe tools key: the supervisor library's
 SEATBELT_NOTE = "sandbox-exec (Seatbelt) — namespace isolation, no kernel boundary"
 BUBBLEWRAP_NOTE = "bubblewrap — namespace isolation, no kernel boundary"
 NOT_OFFERED_HINT = "Native sandbox is not offered on this platform"
@@ -75,6 +83,11 @@ class ProbeFacts:
     """Whether an absolute path is a regular file (used for /usr/bin/sandbox-exec)."""
     selftest: Callable[[str], SelftestResult] = field(compare=False)
     """Runs the bwrap at the given absolute path once; see `run_bwrap_selftest`."""
+    create_rules: Callable[[], CreateRulesCheck] = field(
+        default=lambda: _create_rules_not_checked(), compare=False
+    )
+    """Whether the create-rule supervisor is built and the kernel can run it (Linux); see
+    `supervisor.check_create_rules`. The default reports it absent."""
 
     @classmethod
     def current(cls) -> ProbeFacts:
@@ -84,6 +97,7 @@ class ProbeFacts:
             which=_which_absolute,
             is_file=os.path.isfile,
             selftest=run_bwrap_selftest,
+            create_rules=_check_create_rules,
         )
 
 
@@ -104,6 +118,12 @@ class ProbeResult:
     """Debian/Ubuntu package names to install, in the order the hint names them."""
     tools: Mapping[str, str] = field(default_factory=dict, hash=False)
     """Tool name -> absolute path, for every tool the probe found. Read-only."""
+    create_rules: bool = False
+    """Linux: create-time filename rules can be enforced (the seccomp user-notification
+    supervisor is built and this kernel runs it); tools then has `cc-create-launcher` and
+    `cc-create-supervisor`. Without it a policy with create-time globs is refused."""
+    create_rules_hint: str | None = None
+    """Linux with bubblewrap: why create-time rules are not available, and the fix."""
 
     def __post_init__(self) -> None:
         # A read-only copy, so a caller's dict cannot change a frozen result afterwards.
@@ -120,6 +140,8 @@ class ProbeResult:
             "requiresInstall": self.requires_install,
             "missingPackages": list(self.missing_packages),
             "tools": dict(self.tools),
+            "createRules": self.create_rules,
+            "createRulesHint": self.create_rules_hint,
         }
 
 
@@ -292,12 +314,18 @@ def _probe_linux(facts: ProbeFacts) -> ProbeResult:
     bwrap = found["bwrap"]
     selftest = facts.selftest(bwrap)
     if selftest.ok:
+        rules = facts.create_rules()
+        if rules.available and rules.launcher and rules.library:
+            found[CREATE_LAUNCHER_TOOL] = rules.launcher
+            found[CREATE_SUPERVISOR_TOOL] = rules.library
         return ProbeResult(
             platform=facts.platform,
             available=True,
             mechanism="bubblewrap",
             note=BUBBLEWRAP_NOTE,
             tools=found,
+            create_rules=rules.available,
+            create_rules_hint=rules.hint,
         )
     return ProbeResult(
         platform=facts.platform,
@@ -376,6 +404,18 @@ _SECCOMP_HINT = (
 
 
 # --- host facts (the only I/O besides the selftest itself) ---------------------------------------
+
+
+def _create_rules_not_checked() -> CreateRulesCheck:
+    from cc_server.backends.supervisor import CreateRulesCheck
+
+    return CreateRulesCheck(available=False)
+
+
+def _check_create_rules() -> CreateRulesCheck:
+    from cc_server.backends.supervisor import check_create_rules  # lazy: ctypes, subprocess
+
+    return check_create_rules()
 
 
 def _which_absolute(name: str, path: str | None = None) -> str | None:

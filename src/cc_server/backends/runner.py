@@ -16,12 +16,12 @@ import signal
 import struct
 import subprocess
 import termios
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
-from cc_server.backends.plan import FdArg, LaunchPlan
+from cc_server.backends.plan import FdArg, InheritedFd, LaunchPlan
 from cc_server.errors import EnforcementFailed
 
 if TYPE_CHECKING:
@@ -47,17 +47,30 @@ def _sealed_memfd(arg: FdArg) -> int:
 
 
 @contextlib.contextmanager
-def _materialised(plan: LaunchPlan) -> Iterator[tuple[list[str], tuple[int, ...]]]:
+def _materialised(
+    plan: LaunchPlan, inherited: Mapping[str, int] | None = None
+) -> Iterator[tuple[list[str], tuple[int, ...]]]:
     fds: list[int] = []
+    passed: list[int] = []  # the caller's fds: passed on, closed by the caller
     try:
         argv: list[str] = []
         for word in plan.argv:
             if isinstance(word, FdArg):
                 fds.append(_sealed_memfd(word))
                 argv.append(str(fds[-1]))
+            elif isinstance(word, InheritedFd):
+                if inherited is None or word.name not in inherited:
+                    raise EnforcementFailed(
+                        f"the plan needs the fd {word.name!r}, which this way of starting it "
+                        "cannot provide; the command was not run",
+                        fix="run it through the library's handle.exec (cc-server run --events "
+                        "json or --timeout), which supervises it",
+                    )
+                passed.append(inherited[word.name])
+                argv.append(str(passed[-1]))
             else:
                 argv.append(word)
-        yield argv, tuple(fds)
+        yield argv, (*fds, *passed)
     except OSError as exc:
         raise EnforcementFailed(
             f"could not start {plan.argv[0]!s}: {exc.strerror or exc}",
@@ -75,8 +88,12 @@ async def start(
     stdin: _Stream = None,
     stdout: _Stream = None,
     stderr: _Stream = None,
+    fds: Mapping[str, int] | None = None,
 ) -> tuple[asyncio.subprocess.Process, asyncio.SubprocessTransport]:
     """Spawn the plan. `None` streams are inherited from the server process.
+
+    `fds` fills the plan's InheritedFd slots by name (the create-rule socket); the caller keeps
+    and closes them.
 
     The child starts in a new session so its whole host-side process group can be signalled.
     Returns the process and its transport: the caller closes the transport when done with it,
@@ -89,7 +106,7 @@ async def start(
     import asyncio  # lazy import (see the module docstring)
 
     loop = asyncio.get_running_loop()
-    with _materialised(plan) as (argv, fds):
+    with _materialised(plan, fds) as (argv, pass_fds):
         # What asyncio.create_subprocess_exec does, keeping the transport.
         transport, protocol = await loop.subprocess_exec(
             lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=2**16, loop=loop),
@@ -99,7 +116,7 @@ async def start(
             stderr=stderr,
             env=dict(plan.env),
             cwd=plan.cwd,
-            pass_fds=fds,
+            pass_fds=pass_fds,
             start_new_session=True,
         )
         return asyncio.subprocess.Process(transport, protocol, loop), transport

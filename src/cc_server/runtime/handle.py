@@ -10,14 +10,24 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import os
 import signal
+import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan, Planner
 from cc_server.backends.runner import start
+from cc_server.backends.supervisor import (
+    CreateRefused,
+    CreateRuleSupervisor,
+    Report,
+    receive_listener,
+    stop_supervisor,
+    watch_reports,
+)
 from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
 from cc_server.runtime.events import (
@@ -36,6 +46,8 @@ KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to 
 # After the command exits, how long its pipes may take to reach EOF. A descendant that left the
 # process group (setsid on `none`) can hold them open forever; it must not hold the execution.
 PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
+CREATE_VIOLATION: Final = "file-write-create"  # SandboxViolation.action of a refused new name
+log = logging.getLogger("cc_server.runtime")
 
 
 class EgressPort(Protocol):
@@ -190,6 +202,7 @@ class Execution:
         self._killed_reason: str | None = None
         self._task_group: asyncio.TaskGroup | None = None
         self._done = asyncio.Event()
+        self._create_rules: CreateRuleSupervisor | None = None
         self.exit_code: int | None = None
 
     def _event(self, kind: EventType, **fields: Any) -> SandboxEvent:
@@ -214,18 +227,59 @@ class Execution:
             else pipe if (self._stdin_data is not None or self._interactive)
             else asyncio.subprocess.DEVNULL
         )
-        self._proc, self._transport = await start(
-            plan,
-            stdin=stdin_mode,
-            stdout=None if self._inherit else pipe,
-            stderr=None if self._inherit else pipe,
-        )
+        ours: socket.socket | None = None
+        fds: dict[str, int] = {}
+        if plan.create_rules is not None:  # the launcher inside sends its listener over this
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            fds[plan.create_rules.socket.name] = theirs.fileno()
+        try:
+            try:
+                self._proc, self._transport = await start(
+                    plan,
+                    stdin=stdin_mode,
+                    stdout=None if self._inherit else pipe,
+                    stderr=None if self._inherit else pipe,
+                    fds=fds,
+                )
+            finally:
+                if fds:
+                    theirs.close()
+            if plan.create_rules is not None and ours is not None:
+                await self._start_create_rules(plan, ours)
+        finally:
+            if ours is not None:
+                ours.close()
         self.handle._started(self)
         await self._queue.put(self._event(EventType.READY))
         self._task_group = asyncio.TaskGroup()
         await self._task_group.__aenter__()
         self._task_group.create_task(self._supervise(), name=f"exec {self.exec_id} supervise")
         return self
+
+    async def _start_create_rules(self, plan: LaunchPlan, sock: socket.socket) -> None:
+        """Take the launcher's listener and start the supervisor; on failure the sandbox is
+        killed (the launcher never ran the command) and the error raised."""
+        assert plan.create_rules is not None
+        try:
+            listener = await receive_listener(sock)
+            self._create_rules = CreateRuleSupervisor.start(
+                listener, plan.create_rules.globs, library=plan.create_rules.library
+            )
+        except BaseException:
+            self._signal_group()
+            await self._exited()
+            if self._transport is not None:
+                self._transport.close()
+            raise
+        watch_reports(asyncio.get_running_loop(), self._create_rules, self._create_report)
+
+    def _create_report(self, report: Report) -> None:
+        if isinstance(report, CreateRefused):
+            self.handle.record_violation(
+                SandboxViolation(action=CREATE_VIOLATION, target=report.target, raw=report.raw)
+            )
+        else:
+            log.warning("create-rule supervisor refused %s: %s", report.syscall, report.detail)
 
     async def __aexit__(self, *exc_info: object) -> None:
         if not self._done.is_set():
@@ -287,6 +341,9 @@ class Execution:
             assert code is not None
             if self._transport is not None:
                 self._transport.close()  # our pipe ends, even if a descendant still holds theirs
+            if self._create_rules is not None:  # its last refusals come before `exit`
+                rules, self._create_rules = self._create_rules, None
+                await stop_supervisor(rules, self._create_report)
             self.exit_code = 128 - code if code < 0 else code
             if self._killed_reason is not None:
                 await self._queue.put(self._event(EventType.KILLED, reason=self._killed_reason))

@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 from functools import partial
 
-from cc_server.backends.bubblewrap import plan_bubblewrap
+from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
 from cc_server.backends.none import plan_none
 from cc_server.backends.plan import Planner
-from cc_server.backends.probe import ProbeResult
+from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import HostFacts, Platform, SandboxBackend
@@ -49,6 +49,15 @@ def choose_backend(
     return requested
 
 
+def _create_rule_tools(probe_result: ProbeResult) -> CreateRuleTools | None:
+    """The probe's create-rule supervisor, when it found one that this kernel runs."""
+    launcher = probe_result.tools.get(CREATE_LAUNCHER_TOOL)
+    library = probe_result.tools.get(CREATE_SUPERVISOR_TOOL)
+    if not probe_result.create_rules or launcher is None or library is None:
+        return None
+    return CreateRuleTools(launcher=launcher, library=library)
+
+
 def planner_for(backend: SandboxBackend, probe_result: ProbeResult, host: HostFacts) -> Planner:
     """The planning function for `backend` on this host, with tool paths from the probe.
 
@@ -68,6 +77,7 @@ def planner_for(backend: SandboxBackend, probe_result: ProbeResult, host: HostFa
                 host=host,
                 bwrap=probe_result.tools["bwrap"],
                 socat=probe_result.tools.get("socat"),
+                create_rules=_create_rule_tools(probe_result),
             )
         if probe_result.mechanism == "seatbelt" and host.platform is Platform.MACOS:
             return partial(

@@ -7,12 +7,15 @@ import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from cc_server.backends import probe as probe_mod
 from cc_server.backends.probe import (
     BUBBLEWRAP_NOTE,
+    CREATE_LAUNCHER_TOOL,
+    CREATE_SUPERVISOR_TOOL,
     NOT_OFFERED_HINT,
     SANDBOX_EXEC_PATH,
     SEATBELT_NOTE,
@@ -49,6 +52,14 @@ def _facts(
         which=known.get,
         is_file=files.__contains__,
         selftest=selftest,
+    )
+
+
+def _linux_facts_failing_selftest() -> ProbeFacts:
+    return _facts(
+        Platform.LINUX,
+        tools={"bwrap": BWRAP, "socat": SOCAT},
+        selftest=lambda _bwrap: SelftestResult(ok=False, detail="boom"),
     )
 
 
@@ -113,6 +124,44 @@ def test_linux_with_both_tools_and_passing_selftest_is_bubblewrap(platform: Plat
     )
     assert result.note == BUBBLEWRAP_NOTE
     assert asked == [BWRAP]  # run once, with the absolute path which() gave
+
+
+def test_linux_reports_create_rules_and_their_tools_when_the_check_passes() -> None:
+    from cc_server.backends.supervisor import CreateRulesCheck
+
+    launcher, library = "/opt/cc/cc-create-launcher", "/opt/cc/libcc-create-supervisor.so"
+    facts = dataclasses.replace(
+        _facts(Platform.LINUX, tools={"bwrap": BWRAP, "socat": SOCAT}, selftest=lambda _b: PASSED),
+        create_rules=lambda: CreateRulesCheck(available=True, launcher=launcher, library=library),
+    )
+    result = probe(facts)
+    assert result.available and result.create_rules and result.create_rules_hint is None
+    assert dict(result.tools) == {
+        "bwrap": BWRAP, "socat": SOCAT,
+        CREATE_LAUNCHER_TOOL: launcher, CREATE_SUPERVISOR_TOOL: library,
+    }  # fmt: skip
+
+
+def test_linux_without_create_rules_is_still_bubblewrap_with_the_reason() -> None:
+    from cc_server.backends.supervisor import CreateRulesCheck
+
+    facts = dataclasses.replace(
+        _facts(Platform.LINUX, tools={"bwrap": BWRAP, "socat": SOCAT}, selftest=lambda _b: PASSED),
+        create_rules=lambda: CreateRulesCheck(available=False, hint="needs Linux 5.19"),
+    )
+    result = probe(facts)
+    assert result.available and result.mechanism == "bubblewrap"
+    assert not result.create_rules and result.create_rules_hint == "needs Linux 5.19"
+    assert set(result.tools) == {"bwrap", "socat"}
+    assert result.to_json()["createRulesHint"] == "needs Linux 5.19"
+
+
+def test_create_rules_are_not_checked_without_bubblewrap() -> None:
+    def never() -> Any:
+        raise AssertionError("the create-rule check must not run without a working bwrap")
+
+    facts = dataclasses.replace(_linux_facts_failing_selftest(), create_rules=never)
+    assert not probe(facts).create_rules
 
 
 @pytest.mark.parametrize(
@@ -336,6 +385,8 @@ def test_to_json_uses_camel_case_keys() -> None:
         "requiresInstall": True,
         "missingPackages": ["socat"],
         "tools": {"bwrap": BWRAP},
+        "createRules": False,
+        "createRulesHint": None,
     }
     available = probe(_facts(Platform.MACOS, files=frozenset({SANDBOX_EXEC_PATH}))).to_json()
     assert available["mechanism"] == "seatbelt"

@@ -3,14 +3,15 @@ ProbeResults are built by hand."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
 import pytest
 
-from cc_server.backends.bubblewrap import plan_bubblewrap
+from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
 from cc_server.backends.none import plan_none
-from cc_server.backends.probe import ProbeResult
+from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import HostFacts, Platform, SandboxBackend
@@ -120,8 +121,28 @@ def test_planner_for_native_bubblewrap_is_a_bound_plan_bubblewrap(probe: ProbeRe
         "host": host,
         "bwrap": BWRAP,
         "socat": probe.tools.get("socat"),
+        "create_rules": None,  # the probe found no create-rule supervisor
     }
     assert planner.keywords["host"] is host
+
+
+def test_planner_for_native_bubblewrap_passes_the_create_rule_tools_the_probe_found() -> None:
+    tools = {
+        **LINUX_OK.tools,
+        CREATE_LAUNCHER_TOOL: "/opt/cc/cc-create-launcher",
+        CREATE_SUPERVISOR_TOOL: "/opt/cc/libcc-create-supervisor.so",
+    }
+    probe = dataclasses.replace(LINUX_OK, tools=tools, create_rules=True)
+    planner = planner_for(SandboxBackend.NATIVE, probe, _host(probe.platform))
+    assert isinstance(planner, functools.partial)
+    assert planner.keywords["create_rules"] == CreateRuleTools(
+        launcher="/opt/cc/cc-create-launcher", library="/opt/cc/libcc-create-supervisor.so"
+    )
+    # Tools without the probe's verdict (the kernel check failed) are not used.
+    unchecked = dataclasses.replace(probe, create_rules=False)
+    planner = planner_for(SandboxBackend.NATIVE, unchecked, _host(probe.platform))
+    assert isinstance(planner, functools.partial)
+    assert planner.keywords["create_rules"] is None
 
 
 def test_planner_for_native_seatbelt_on_macos_is_a_bound_plan_seatbelt() -> None:
