@@ -14,9 +14,10 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import stat
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final, Protocol
 
 from cc_server.backends.plan import EgressBridge
@@ -31,7 +32,13 @@ from cc_server.egress.patterns import Allowlist
 from cc_server.errors import EnforcementFailed
 from cc_server.runtime.events import SandboxViolation
 
-__all__ = ["Monitor", "SessionEgress", "egress_base_dir", "remove_stale_session_dirs"]
+__all__ = [
+    "Monitor",
+    "SessionEgress",
+    "egress_base_dir",
+    "kill_stale_sandboxes",
+    "remove_stale_session_dirs",
+]
 
 
 class Monitor(Protocol):
@@ -93,6 +100,36 @@ def remove_stale_session_dirs(base: str) -> list[str]:
             shutil.rmtree(os.path.join(base, name), ignore_errors=True)
             removed.append(name)
     return removed
+
+
+def kill_stale_sandboxes(base: str, names: Iterable[str], proc_root: str = "/proc") -> list[int]:
+    """SIGKILL this user's processes whose argv names one of the stale session directories
+    `names` under `base`; return the pids signalled.
+
+    These are sandboxes of a killed server that outlived it: bwrap arms `--die-with-parent` in
+    the sandbox's PID 1 only after creating it, so a server killed in that window leaves the
+    sandbox running. Its argv still names the session's socket directory, which carries the dead
+    server's pid. Killing the sandbox's PID 1 ends its whole PID namespace.
+    """
+    wanted = {os.path.join(base, name).encode() for name in names}
+    killed: list[int] = []
+    if not wanted:
+        return killed
+    for entry in os.listdir(proc_root):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if os.stat(os.path.join(proc_root, entry)).st_uid != os.geteuid():
+                continue
+            with open(os.path.join(proc_root, entry, "cmdline"), "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if wanted.intersection(argv):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry), signal.SIGKILL)
+                killed.append(int(entry))
+    return killed
 
 
 def _host_port(host: str, port: int) -> str:

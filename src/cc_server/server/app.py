@@ -25,7 +25,11 @@ from cc_server import __version__
 from cc_server.backends.probe import boot_probe, startup_line
 from cc_server.errors import CcServerError
 from cc_server.policy import HostFacts
-from cc_server.runtime.egress import egress_base_dir, remove_stale_session_dirs
+from cc_server.runtime.egress import (
+    egress_base_dir,
+    kill_stale_sandboxes,
+    remove_stale_session_dirs,
+)
 from cc_server.runtime.port import SandboxManager
 from cc_server.server.api import answer_refusals
 from cc_server.server.api import routes as api_routes
@@ -121,9 +125,11 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
     """
     base = egress_base_dir()
     removed = remove_stale_session_dirs(base)
+    killed = kill_stale_sandboxes(base, removed)
     if removed:
-        log_event("cleanup", f"removed {len(removed)} stale egress directories of killed servers",
-                  removed=removed)
+        log_event("cleanup", f"removed {len(removed)} stale egress directories of killed servers"
+                  f" and killed {len(killed)} sandbox processes that outlived them",
+                  removed=removed, killed=killed)
     result = boot_probe()  # the only probe of this process
     log_event("sandbox", startup_line(result, config.sandbox_on),
               available=result.available, sandbox=config.sandbox_on)
