@@ -260,6 +260,22 @@ async def test_closing_the_ws_kills_the_command(
     await client.delete(f"/v1/sandboxes/{session_id}")
 
 
+async def test_a_client_that_leaves_a_collected_exec_kills_its_command(
+    server: Server, client: aiohttp.ClientSession, work: pathlib.Path, marker: str
+) -> None:
+    session_id = sid()
+    await create(client, {"spec": spec(session_id, work)})
+    async with aiohttp.ClientSession(server.url, headers=server.auth) as impatient:
+        request = asyncio.create_task(impatient.post(
+            f"/v1/sandboxes/{session_id}/exec", json={"argv": ["sleep", marker]}))
+        assert await asyncio.to_thread(wait_until_present, f"sleep\x00{marker}")
+        request.cancel()  # the connection closes; the server's handler is cancelled
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    assert await asyncio.to_thread(wait_until_gone, f"sleep\x00{marker}", PROMPT_S) == []
+    await client.delete(f"/v1/sandboxes/{session_id}")
+
+
 def wait_until_present(marker: str) -> bool:
     import time
 
