@@ -81,9 +81,10 @@ LIBRARY_NAME: Final = "libcc-create-supervisor.so"
 GUEST_LAUNCHER: Final = "/run/cc-create/launcher"  # where the sandbox sees the launcher
 SELFTEST_TIMEOUT_S: Final = 10.0  # one fork and one notification; milliseconds normally
 LISTENER_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's listener arriving
-WORKERS: Final = 3  # per sandboxed command; a slow open holds one, FIFOs go to helper threads
+# Worker threads per sandboxed command: a slow open does not hold up the next one (FIFO waits go
+# to helper threads). Two measured better than one here (bench/create_rules.py).
+WORKERS: Final = 2
 REPORT_PIPE_BYTES: Final = 1 << 20  # room for ~500 refusals the event loop has not read yet
-STOP_TIMEOUT_S: Final = 5.0  # joining the workers; they stop within one poll
 
 # Trapped unconditionally (open and openat only with O_CREAT). Names a libseccomp build does not
 # know on an architecture (open, creat, ... on arm64) are skipped by libseccomp itself.

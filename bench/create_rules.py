@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Cost of the create-time filename rules, against the same sandbox without them, in one run.
+
+Each workload runs inside a native sandbox twice per round, once launched with the standard
+create-time globs (.env, *.key, *.pem: the launcher, the filter and the supervisor) and once
+without, rounds interleaved so drift hits both alike. Times are taken inside the sandbox, around
+the workload only (sandbox start-up excluded), and the medians are compared:
+
+  unpack      tar xf of a FILES-file tarball (FILES/100 directories) into a new directory on
+              the workspace's filesystem; every file is one supervised create. Target <= 2x.
+  git status  on a FILES-file repository (reads and stats; the index lock is one create).
+              Target <= 1.05x: reads never reach the supervisor.
+  per create  a Python loop of O_CREAT|O_EXCL opens; (supervised - plain) / n is the cost the
+              supervisor adds to one create, in microseconds.
+
+Nothing is deleted between rounds (each round unpacks into a fresh directory): on an ext4 without
+a journal, creating right after deleting many inodes is several times slower, which would swamp
+what is measured here. Everything is removed at the end.
+
+Usage: .venv/bin/python bench/create_rules.py [--files N] [--rounds N] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+
+from cc_server.backends.probe import probe
+from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, HostFacts, parse_spec
+from cc_server.runtime.handle import SandboxHandle, run_collect
+from cc_server.runtime.port import SandboxManager
+
+PYTHON = "/usr/bin/python3"  # inside the sandbox
+TIMED = 'a=$(date +%s%N); {cmd}; r=$?; b=$(date +%s%N); echo "$((b - a))"; exit $r'
+CREATE_LOOP = (
+    "import os, sys\n"
+    "d, n = sys.argv[1], int(sys.argv[2])\n"
+    "os.mkdir(d)\n"
+    "for i in range(n):\n"
+    "    os.close(os.open(f'{d}/f{i}', os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))\n"
+)
+
+
+def _make_tree(root: str, files: int) -> None:
+    per_dir = 100
+    for i in range(files):
+        d = os.path.join(root, f"d{i // per_dir:04d}")
+        if i % per_dir == 0:
+            os.makedirs(d)
+        with open(os.path.join(d, f"file{i:05d}.txt"), "w") as f:
+            f.write(f"line {i}\n" * 4)
+
+
+def _fs_type(path: str) -> str:
+    out = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+async def _timed(handle: SandboxHandle, cmd: str, cwd: str) -> float:
+    result = await run_collect(
+        handle, ["/bin/sh", "-c", TIMED.format(cmd=cmd)], cwd=cwd, timeout_s=600
+    )
+    if result.exit_code != 0:
+        raise RuntimeError(f"{cmd!r} failed ({result.exit_code}): {result.stderr.decode()}")
+    return int(result.stdout.decode().split()[-1]) / 1e9
+
+
+async def _bench(work: str, files: int, rounds: int) -> int:
+    repo = os.path.join(work, "repo")
+    tree = os.path.join(work, "tree")
+    tarball = os.path.join(work, "tree.tar")
+    print(f"preparing {files} files under {work} ({_fs_type(work)}) ...", flush=True)
+    _make_tree(tree, files)
+    with tarfile.open(tarball, "w") as tar:
+        tar.add(tree, arcname="tree")
+    shutil.copytree(tree, repo)
+    git = ["git", "-C", repo, "-c", "user.name=b", "-c", "user.email=b@example.invalid"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-qm", "tree"]):
+        subprocess.run([*git, *args], check=True)
+    with open(os.path.join(work, "loop.py"), "w") as f:
+        f.write(CREATE_LOOP)
+
+    result = probe()
+    if not result.create_rules:
+        print(f"no create-rule supervisor on this host: {result.create_rules_hint}")
+        return 1
+    manager = SandboxManager(probe_result=result, host=HostFacts.current())
+    spec = {"workspaceId": "bench", "bindMounts": [{"hostPath": work}]}
+    plain = manager.launch(parse_spec({"sessionId": "plain", **spec}))
+    ruled = manager.launch(
+        parse_spec({"sessionId": "ruled", **spec}), deny_create_globs=STANDARD_DENY_CREATE_GLOBS
+    )
+    samples: dict[tuple[str, str], list[float]] = {}
+    try:
+        await _timed(plain, f"git -C {repo} status --porcelain >/dev/null", work)  # warm caches
+        for rnd in range(rounds):
+            for name, handle in (("plain", plain), ("ruled", ruled)):
+                dest = os.path.join(work, f"out-{name}-{rnd}")
+                os.mkdir(dest)
+                workloads = {
+                    "unpack": f"tar xf {tarball} -C {dest}",
+                    "git status": f"git -C {repo} status --porcelain >/dev/null",
+                    "per create": f"{PYTHON} loop.py {dest}/loop {files}",
+                }
+                for workload, cmd in workloads.items():
+                    seconds = await _timed(handle, cmd, work)
+                    samples.setdefault((workload, name), []).append(seconds)
+            print(f"round {rnd + 1}/{rounds} done", flush=True)
+    finally:
+        await manager.aclose()
+
+    def med(workload: str, name: str) -> float:
+        return statistics.median(samples[(workload, name)])
+
+    print(f"\n{files} files, {rounds} rounds, medians (seconds, inside the sandbox):")
+    print(f"{'workload':<12} {'plain':>9} {'supervised':>11} {'ratio':>7}  target")
+    for workload, target in (("unpack", "<= 2x"), ("git status", "<= 1.05x"), ("per create", "")):
+        p, r = med(workload, "plain"), med(workload, "ruled")
+        print(f"{workload:<12} {p:9.3f} {r:11.3f} {r / p:6.2f}x  {target}")
+    extra_us = (med("per create", "ruled") - med("per create", "plain")) / files * 1e6
+    print(f"\none supervised create costs {extra_us:.1f} us more than a plain one")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--dir", help="where the workspace lives (default: the temp directory)")
+    args = parser.parse_args()
+    work = tempfile.mkdtemp(prefix="cc-bench-create-", dir=args.dir)
+    started = time.monotonic()
+    try:
+        return asyncio.run(_bench(work, args.files, args.rounds))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        print(f"(took {time.monotonic() - started:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
