@@ -12,11 +12,12 @@ import os
 import pathlib
 import shutil
 import subprocess
+import sys
 import tarfile
 import textwrap
 
 import pytest
-from escape_kit import Sandboxes, output
+from escape_kit import Sandboxes, host_pids_with, output, shell_word, unique, wait_until
 
 from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, parse_spec
 from cc_server.runtime.handle import CollectedResult, SandboxHandle, run_collect
@@ -264,6 +265,15 @@ async def test_when_the_supervisor_is_gone_trapped_calls_fail(sb: Sandboxes) -> 
     assert not (sb.worktree / "late.txt").exists()
 
 
+async def test_no_core_file_can_be_dumped(sb: Sandboxes) -> None:
+    # A core file is a name the kernel creates without a trapped call: the hard limit is 0.
+    script = "ulimit -Hc; ulimit -c unlimited && echo raised; sh -c 'kill -SEGV $$'; ls"
+    result = await _sh(sb, _launch(sb), script)
+    assert result.stdout.decode().splitlines()[0] == "0", output(result)
+    assert "raised" not in result.stdout.decode()
+    assert not [p for p in sb.worktree.iterdir() if p.name.startswith("core")]
+
+
 async def test_violations_reach_the_event_stream_in_order(sb: Sandboxes) -> None:
     result = await run_collect(
         _launch(sb),
@@ -273,3 +283,49 @@ async def test_violations_reach_the_event_stream_in_order(sb: Sandboxes) -> None
     assert result.exit_code == 0
     assert [v.target for v in result.violations] == ["one.pem", "two.key"]
     assert all(v.raw and "refused to create" in v.raw for v in result.violations)
+
+
+CRASHING_SERVER = """
+import asyncio, os, sys
+from cc_server.backends.probe import probe
+from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, HostFacts, parse_spec
+from cc_server.runtime.port import SandboxManager
+from cc_server.runtime.handle import run_collect
+
+async def main():
+    home, wt, script = sys.argv[1:4]
+    host = HostFacts.current()
+    host = HostFacts(platform=host.platform, home=home, realpath=os.path.realpath,
+                     exists=os.path.lexists, is_dir=os.path.isdir)
+    mgr = SandboxManager(probe_result=probe(), host=host)
+    spec = {"sessionId": "crash", "workspaceId": "w", "bindMounts": [{"hostPath": wt}]}
+    handle = mgr.launch(parse_spec(spec), deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
+    print("launching", flush=True)
+    await run_collect(handle, ["/bin/sh", "-c", script], timeout_s=600)
+
+asyncio.run(main())
+"""
+
+
+async def test_the_sandbox_dies_with_a_crashed_server_that_held_its_supervisor(
+    sb: Sandboxes,
+) -> None:
+    # The launcher is the sandbox's PID 1 here (bwrap --as-pid-1): --die-with-parent must still
+    # take it, and with it everything inside, when the server (and its supervisor) is killed.
+    marker = unique("cc-crash-rules")
+    script = (
+        f"m={shell_word(marker)}; setsid /bin/sh -c 'sleep 300; : '\"$m\" </dev/null "
+        ">/dev/null 2>&1 & sleep 300"
+    )
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", CRASHING_SERVER, str(sb.home), str(sb.worktree), script,
+        stdout=asyncio.subprocess.PIPE, env={"PATH": "/usr/bin:/bin"},
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        assert await asyncio.wait_for(server.stdout.readline(), 10) == b"launching\n"
+        assert await wait_until(lambda: len(host_pids_with(marker)) == 1, timeout_s=5.0)
+    finally:
+        server.kill()
+        await server.wait()
+    assert await wait_until(lambda: not host_pids_with(marker)), host_pids_with(marker)

@@ -22,10 +22,12 @@ This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`)
   parent fds, hands opened files back with SECCOMP_IOCTL_NOTIF_ADDFD, and refuses a matching
   name with EACCES. Its module comment lists every step.
 
-Why compiled, and why these two pieces: the Python spike cost ~110 µs per create (4-9x on a tar
-unpack); the C workers cost a fraction of that, have no GIL to share with the server's event loop,
-and can drop their capabilities and unshare their fs attributes per thread. The launcher must be
-a separate executable because it runs inside the sandbox, where the server's Python is not.
+Why compiled, and why these two pieces: the Python spike cost ~110 µs per create; the C workers
+spend ~21 µs of CPU per create, have no GIL to share with the server's event loop, and can drop
+their capabilities and unshare their fs attributes per thread. What remains of the 40-80 µs a
+create costs on a 2-vCPU VM is the kernel waking the process to install the fd (docs/SPEC.md,
+P131). The launcher must be a separate executable because it runs inside the sandbox, where the
+server's Python is not.
 Both are built by `scripts/bootstrap` with gcc; the probe reports the capability only when both
 exist and the kernel passes the launcher's `--selftest`.
 
@@ -81,8 +83,8 @@ LIBRARY_NAME: Final = "libcc-create-supervisor.so"
 GUEST_LAUNCHER: Final = "/run/cc-create/launcher"  # where the sandbox sees the launcher
 SELFTEST_TIMEOUT_S: Final = 10.0  # one fork and one notification; milliseconds normally
 LISTENER_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's listener arriving
-# Worker threads per sandboxed command: a slow open does not hold up the next one (FIFO waits go
-# to helper threads). Two measured better than one here (bench/create_rules.py).
+# Worker threads per sandboxed command: with two, a slow open does not hold up the next one (FIFO
+# waits go to helper threads). One to four measured the same within noise (bench/create_rules.py).
 WORKERS: Final = 2
 REPORT_PIPE_BYTES: Final = 1 << 20  # room for ~500 refusals the event loop has not read yet
 

@@ -1280,6 +1280,8 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
         return;
     }
     int pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, PIDFD_THREAD);
+    if (pidfd < 0 && errno == EINVAL) /* before 6.9: only a thread-group leader has a pidfd */
+        pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, 0);
     if (pidfd < 0) {
         report_error(q, "", "pidfd_open: %s", strerror(errno));
         respond(s, q->n->id, 0, EPERM);
