@@ -252,9 +252,13 @@ async def test_a_second_listener_cannot_be_installed_inside(sb: Sandboxes) -> No
 
 async def test_when_the_supervisor_is_gone_trapped_calls_fail(sb: Sandboxes) -> None:
     handle = _launch(sb)
-    go = sb.worktree / "go"
-    script = f"while [ ! -e {go} ]; do sleep 0.05; done; echo x > {sb.worktree}/late.txt"
+    ready, go = sb.worktree / "ready", sb.worktree / "go"
+    script = (
+        f"echo > {ready}; while [ ! -e {go} ]; do sleep 0.05; done; echo x > {sb.worktree}/late.txt"
+    )
     async with handle.exec(["/bin/sh", "-c", script], timeout_s=RUN_TIMEOUT_S) as execution:
+        # The command itself runs (past the egress prologue, whose socat binds are trapped too).
+        assert await wait_until(ready.exists, timeout_s=10.0)
         supervisor = execution._create_rules  # white box: stop it as a crash would
         assert supervisor is not None
         await asyncio.to_thread(supervisor.close)
@@ -329,3 +333,16 @@ async def test_the_sandbox_dies_with_a_crashed_server_that_held_its_supervisor(
         server.kill()
         await server.wait()
     assert await wait_until(lambda: not host_pids_with(marker)), host_pids_with(marker)
+
+
+async def test_a_refusal_is_reported_to_the_command_that_made_it_only(sb: Sandboxes) -> None:
+    handle = _launch(sb)
+    wt = sb.worktree
+    quiet = ["/bin/sh", "-c", f"while [ ! -e {wt}/go ]; do sleep 0.05; done"]
+    async with handle.exec(quiet, timeout_s=RUN_TIMEOUT_S) as bystander:
+        result = await _sh(sb, handle, "echo > mine.pem")
+        (wt / "go").write_text("")
+        seen = await bystander.collect()
+    assert [v.target for v in result.violations] == ["mine.pem"]
+    assert seen.violations == ()
+    assert [v.target for v in handle.violations] == ["mine.pem"]

@@ -145,11 +145,15 @@ class SandboxHandle:
         if not self._running and self.state is SandboxState.ACTIVE:
             self.transition(SandboxState.WARM)
 
-    def record_violation(self, violation: SandboxViolation) -> None:
-        """Keep a violation on the handle and forward it to every running execution."""
+    def record_violation(
+        self, violation: SandboxViolation, execution: Execution | None = None
+    ) -> None:
+        """Keep a violation on the handle and forward it to `execution` when the refusal is known
+        to be its own (a create refused in its sandbox), else to every running execution (the
+        session's proxies cannot tell which command connected)."""
         self.violations.append(violation)
-        for execution in list(self._running):
-            execution.push_violation(violation)
+        for running in [execution] if execution is not None else list(self._running):
+            running.push_violation(violation)
 
     async def destroy(self) -> None:
         """Kill every running command, wait for it, and invalidate the handle. Idempotent."""
@@ -276,7 +280,8 @@ class Execution:
     def _create_report(self, report: Report) -> None:
         if isinstance(report, CreateRefused):
             self.handle.record_violation(
-                SandboxViolation(action=CREATE_VIOLATION, target=report.target, raw=report.raw)
+                SandboxViolation(action=CREATE_VIOLATION, target=report.target, raw=report.raw),
+                self,
             )
         else:
             log.warning("create-rule supervisor refused %s: %s", report.syscall, report.detail)
