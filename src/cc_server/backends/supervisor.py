@@ -41,6 +41,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import logging
 import os
 import socket
 import struct
@@ -76,6 +77,7 @@ __all__ = [
     "watch_reports",
 ]
 
+log = logging.getLogger("cc_server.backends.supervisor")
 ABI_VERSION: Final = 1  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
@@ -464,8 +466,11 @@ async def stop_supervisor(
     loop = asyncio.get_running_loop()
     with contextlib.suppress(ValueError, OSError):
         loop.remove_reader(supervisor.report_fd)
+    dropped = supervisor.stats().dropped_reports
     for report in await asyncio.to_thread(supervisor.close):
         on_report(report)
+    if dropped:
+        log.warning("create-rule supervisor: %d refusal reports were lost (pipe full)", dropped)
 
 
 def watch_reports(
