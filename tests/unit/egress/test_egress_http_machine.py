@@ -5,6 +5,7 @@ from __future__ import annotations
 from ipaddress import IPv6Address
 
 import pytest
+from machine_kit import Step, drive_machine
 
 from cc_server.egress.http_machine import (
     CONNECT_ESTABLISHED,
@@ -16,7 +17,6 @@ from cc_server.egress.proto import (
     MAX_HEADERS,
     NEED_DATA,
     CheckEgress,
-    Event,
     HandshakeMachine,
     OpenUpstream,
     ProtocolError,
@@ -27,7 +27,6 @@ from cc_server.egress.proto import (
 
 TLS_HELLO = b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(range(32))
 
-Step = Event | tuple[str, bytes]
 
 
 def state(machine: HandshakeMachine) -> State:
@@ -44,41 +43,10 @@ def drive(
     error: str = "",
     eof: bool = True,
 ) -> list[Step]:
-    """Run a machine like the driver does; return what it said and what the answers returned.
-
-    NEED_DATA is left out (it depends on how the bytes were split), except a final one when the
-    input ran out without EOF. StartRelay.to_upstream is shown with the bytes not fed yet appended,
-    as the relay would send them: where the handshake ends in the input depends on the split.
-    """
-    machine = HttpProxyMachine()
-    size = chunk or max(len(data), 1)
-    pieces = iter([data[i : i + size] for i in range(0, len(data), size)])
-    transcript: list[Step] = []
-    for _ in range(len(data) + 10):
-        event = machine.next_event()
-        if event is NEED_DATA:
-            piece = next(pieces, None)
-            if piece is None and not eof:
-                return [*transcript, NEED_DATA]
-            machine.receive_data(piece or b"")
-            continue
-        if isinstance(event, StartRelay):
-            rest = b"".join(pieces)
-            event = StartRelay(to_upstream=event.to_upstream + rest, to_client=event.to_client)
-        transcript.append(event)
-        if isinstance(event, CheckEgress):
-            answer = machine.decide(allowed, "", "")
-            transcript.append(("decide", answer))
-            if not allowed:
-                return transcript
-        elif isinstance(event, OpenUpstream):
-            answer = machine.upstream_result(ok, error)
-            transcript.append(("upstream", answer))
-            if not ok:
-                return transcript
-        else:
-            return transcript
-    raise AssertionError("machine did not finish")
+    """Run a HttpProxyMachine like the driver does (machine_kit.drive_machine)."""
+    return drive_machine(
+        HttpProxyMachine, data, chunk=chunk, allowed=allowed, ok=ok, error=error, eof=eof
+    )
 
 
 def refused(data: bytes) -> ProtocolRefused:

@@ -5,13 +5,13 @@ from __future__ import annotations
 from ipaddress import IPv6Address
 
 import pytest
+from machine_kit import Step, drive_machine
 
 from cc_server.egress.proto import (
     NEED_DATA,
     UPSTREAM_REFUSED,
     UPSTREAM_UNREACHABLE,
     CheckEgress,
-    Event,
     HandshakeMachine,
     OpenUpstream,
     ProtocolError,
@@ -41,7 +41,6 @@ def domain(name: bytes, port: int = 443) -> bytes:
     return request(3, bytes((len(name),)) + name, port)
 
 
-Step = Event | tuple[str, bytes]
 
 
 def state(machine: HandshakeMachine) -> State:
@@ -58,36 +57,18 @@ def drive(
     error: str = "",
     eof: bool = True,
 ) -> list[Step]:
-    """Run a machine like the driver does; see the HTTP machine tests' `drive`."""
-    machine = Socks5Machine()
-    size = chunk or max(len(data), 1)
-    pieces = iter([data[i : i + size] for i in range(0, len(data), size)])
-    transcript: list[Step] = []
-    for _ in range(len(data) + 10):
-        event = machine.next_event()
-        if event is NEED_DATA:
-            piece = next(pieces, None)
-            if piece is None and not eof:
-                return [*transcript, NEED_DATA]
-            machine.receive_data(piece or b"")
-            continue
-        if isinstance(event, StartRelay):
-            rest = b"".join(pieces)
-            event = StartRelay(to_upstream=event.to_upstream + rest, to_client=event.to_client)
-        transcript.append(event)
-        if isinstance(event, CheckEgress):
-            answer = machine.decide(allowed, "not allowed", "ask")
-            transcript.append(("decide", answer))
-            if not allowed:
-                return transcript
-        elif isinstance(event, OpenUpstream):
-            answer = machine.upstream_result(ok, error)
-            transcript.append(("upstream", answer))
-            if not ok:
-                return transcript
-        elif not isinstance(event, SendToClient):
-            return transcript
-    raise AssertionError("machine did not finish")
+    """Run a Socks5Machine like the driver does (machine_kit.drive_machine)."""
+    return drive_machine(
+        Socks5Machine,
+        data,
+        chunk=chunk,
+        allowed=allowed,
+        ok=ok,
+        error=error,
+        eof=eof,
+        reason="not allowed",
+        how_to_allow="ask",
+    )
 
 
 def happy(host: str, port: int, pipelined: bytes) -> list[Step]:

@@ -1,0 +1,66 @@
+"""Drive a sans-IO handshake machine the way the asyncio driver does (shared by the HTTP and
+SOCKS5 machine tests)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from cc_server.egress.proto import (
+    NEED_DATA,
+    CheckEgress,
+    Event,
+    HandshakeMachine,
+    OpenUpstream,
+    SendToClient,
+    StartRelay,
+)
+
+Step = Event | tuple[str, bytes]
+
+
+def drive_machine(
+    make: Callable[[], HandshakeMachine],
+    data: bytes,
+    *,
+    chunk: int | None = None,
+    allowed: bool = True,
+    ok: bool = True,
+    error: str = "",
+    eof: bool = True,
+    reason: str = "",
+    how_to_allow: str = "",
+) -> list[Step]:
+    """Run a fresh machine on `data`; return what it said and what the answers returned.
+
+    NEED_DATA is left out (it depends on how the bytes were split), except a final one when the
+    input ran out without EOF. StartRelay.to_upstream is shown with the bytes not fed yet appended,
+    as the relay would send them: where the handshake ends in the input depends on the split.
+    SendToClient is recorded and the conversation goes on, as the driver does.
+    """
+    machine = make()
+    size = chunk or max(len(data), 1)
+    pieces = iter([data[i : i + size] for i in range(0, len(data), size)])
+    transcript: list[Step] = []
+    for _ in range(len(data) + 10):
+        event = machine.next_event()
+        if event is NEED_DATA:
+            piece = next(pieces, None)
+            if piece is None and not eof:
+                return [*transcript, NEED_DATA]
+            machine.receive_data(piece or b"")
+            continue
+        if isinstance(event, StartRelay):
+            rest = b"".join(pieces)
+            event = StartRelay(to_upstream=event.to_upstream + rest, to_client=event.to_client)
+        transcript.append(event)
+        if isinstance(event, CheckEgress):
+            transcript.append(("decide", machine.decide(allowed, reason, how_to_allow)))
+            if not allowed:
+                return transcript
+        elif isinstance(event, OpenUpstream):
+            transcript.append(("upstream", machine.upstream_result(ok, error)))
+            if not ok:
+                return transcript
+        elif not isinstance(event, SendToClient):
+            return transcript
+    raise AssertionError("machine did not finish")
