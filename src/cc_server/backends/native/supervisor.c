@@ -1095,6 +1095,21 @@ static bool read_path(struct req *q, uint64_t addr, char *buf, size_t size, int 
     return *err != ESRCH;
 }
 
+/* Both path arguments of a two-path call (link, rename), copied and checked still live. False
+ * when the call is gone or has been answered (a bad address gets its errno). */
+static bool read_two_paths(struct req *q, uint64_t a, char pa[PATH_MAX], uint64_t b,
+                           char pb[PATH_MAX]) {
+    int err, err2 = 0;
+    if (!read_path(q, a, pa, PATH_MAX, &err) || !read_path(q, b, pb, PATH_MAX, &err2) ||
+        !id_valid(q->s, q->n->id))
+        return false;
+    if (err || err2) {
+        respond(q->s, q->n->id, 0, err ? err : err2);
+        return false;
+    }
+    return true;
+}
+
 static void do_mknod_mkdir(struct req *q, int dirfd, uint64_t addr, mode_t mode, dev_t dev,
                            bool is_mkdir) {
     struct ccs *s = q->s;
@@ -1156,14 +1171,9 @@ static void do_link(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd
                     uint64_t new_addr, int flags) {
     struct ccs *s = q->s;
     char oldp[PATH_MAX], newp[PATH_MAX];
-    int err, err2 = 0;
-    if (!read_path(q, old_addr, oldp, sizeof oldp, &err) ||
-        !read_path(q, new_addr, newp, sizeof newp, &err2) || !id_valid(s, q->n->id))
+    int err;
+    if (!read_two_paths(q, old_addr, oldp, new_addr, newp))
         return;
-    if (err || err2) {
-        respond(s, q->n->id, 0, err ? err : err2);
-        return;
-    }
     if (flags & ~(AT_SYMLINK_FOLLOW | AT_EMPTY_PATH)) {
         respond(s, q->n->id, 0, EINVAL);
         return;
@@ -1222,14 +1232,9 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
                       uint64_t new_addr, unsigned flags) {
     struct ccs *s = q->s;
     char oldp[PATH_MAX], newp[PATH_MAX];
-    int err, err2 = 0;
-    if (!read_path(q, old_addr, oldp, sizeof oldp, &err) ||
-        !read_path(q, new_addr, newp, sizeof newp, &err2) || !id_valid(s, q->n->id))
+    int err;
+    if (!read_two_paths(q, old_addr, oldp, new_addr, newp))
         return;
-    if (err || err2) {
-        respond(s, q->n->id, 0, err ? err : err2);
-        return;
-    }
     struct resolved ro, rn;
     res_init(&rn);
     err = resolve(q, olddirfd, oldp, false, &ro);
