@@ -1,0 +1,27 @@
+"""Agent dispatch boundaries: the action guardrails, the modes' tool surfaces and command table,
+environment sanitisation, the in-process file tools and the credential broker."""
+
+from cc_server.dispatch.env import EnvRefused, looks_secret, sanitized_env
+from cc_server.dispatch.guardrails import (
+    Action,
+    ActionKind,
+    ActionRefused,
+    Guardrail,
+    GuardrailChain,
+    standard_chain,
+)
+from cc_server.dispatch.modes import check_command, tools_for_mode
+
+__all__ = [
+    "Action",
+    "ActionKind",
+    "ActionRefused",
+    "EnvRefused",
+    "Guardrail",
+    "GuardrailChain",
+    "check_command",
+    "looks_secret",
+    "sanitized_env",
+    "standard_chain",
+    "tools_for_mode",
+]
