@@ -17,13 +17,17 @@ Nothing is deleted between rounds (each round unpacks into a fresh directory): o
 a journal, creating right after deleting many inodes is several times slower, which would swamp
 what is measured here. Everything is removed at the end.
 
-Usage: .venv/bin/python bench/create_rules.py [--files N] [--rounds N] [--dir DIR]
+Usage: .venv/bin/python bench/create_rules.py [--files N] [--rounds N] [--dir DIR] [--library SO]
+
+--library runs the supervisor from another build of the library (to measure a change before
+scripts/bootstrap installs it); the launcher stays the probe's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import shutil
 import statistics
@@ -33,7 +37,7 @@ import tarfile
 import tempfile
 import time
 
-from cc_server.backends.probe import probe
+from cc_server.backends.probe import CREATE_SUPERVISOR_TOOL, probe
 from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, HostFacts, parse_spec
 from cc_server.runtime.handle import SandboxHandle, run_collect
 from cc_server.runtime.port import SandboxManager
@@ -73,7 +77,7 @@ async def _timed(handle: SandboxHandle, cmd: str, cwd: str) -> float:
     return int(result.stdout.decode().split()[-1]) / 1e9
 
 
-async def _bench(work: str, files: int, rounds: int) -> int:
+async def _bench(work: str, files: int, rounds: int, library: str | None) -> int:
     repo = os.path.join(work, "repo")
     tree = os.path.join(work, "tree")
     tarball = os.path.join(work, "tree.tar")
@@ -92,6 +96,9 @@ async def _bench(work: str, files: int, rounds: int) -> int:
     if not result.create_rules:
         print(f"no create-rule supervisor on this host: {result.create_rules_hint}")
         return 1
+    if library:
+        tools = {**result.tools, CREATE_SUPERVISOR_TOOL: os.path.abspath(library)}
+        result = dataclasses.replace(result, tools=tools)
     manager = SandboxManager(probe_result=result, host=HostFacts.current())
     spec = {"workspaceId": "bench", "bindMounts": [{"hostPath": work}]}
     plain = manager.launch(parse_spec({"sessionId": "plain", **spec}))
@@ -135,11 +142,12 @@ def main() -> int:
     parser.add_argument("--files", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--dir", help="where the workspace lives (default: the temp directory)")
+    parser.add_argument("--library", help="the supervisor library to use (default: the probe's)")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="cc-bench-create-", dir=args.dir)
     started = time.monotonic()
     try:
-        return asyncio.run(_bench(work, args.files, args.rounds))
+        return asyncio.run(_bench(work, args.files, args.rounds, args.library))
     finally:
         shutil.rmtree(work, ignore_errors=True)
         print(f"(took {time.monotonic() - started:.0f} s)", file=sys.stderr)
