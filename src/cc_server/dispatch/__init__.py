@@ -11,14 +11,18 @@ from cc_server.dispatch.guardrails import (
     standard_chain,
 )
 from cc_server.dispatch.modes import check_command, tools_for_mode
+from cc_server.dispatch.tools import FileToolError, FileTools, SearchMatch
 
 __all__ = [
     "Action",
     "ActionKind",
     "ActionRefused",
     "EnvRefused",
+    "FileToolError",
+    "FileTools",
     "Guardrail",
     "GuardrailChain",
+    "SearchMatch",
     "check_command",
     "looks_secret",
     "sanitized_env",
