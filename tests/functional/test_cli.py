@@ -271,9 +271,11 @@ def test_plan_with_a_deny_create_rule_shows_the_launcher(env: dict[str, str]) ->
     argv = plan["argv"]
     assert "--as-pid-1" in argv
     launcher = argv.index("/run/cc-create/launcher", argv.index("--"))
-    assert argv[launcher + 1 : launcher + 5] == [
+    assert argv[launcher + 1 : launcher + 7] == [
+        "--egress", "<fd:egress.sock>",
         "--filter", "<fd:create-rules.bpf>", "--socket", "<fd:create-rules.sock>",
     ]  # fmt: skip
+    assert plan["egressHandoff"] is True
 
 
 def test_probe_json_reports_bubblewrap(env: dict[str, str]) -> None:
@@ -300,7 +302,9 @@ def test_plan_shows_the_egress_bridge_and_proxy_environment(env: dict[str, str])
     result = cli("plan", "--json", "--", "true", env=env)
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    assert "/run/cc-egress" in plan["argv"]
+    # The launcher (built here) hands the loopback listeners over; no socket is bound in.
+    assert plan["egressHandoff"] is True and "<fd:egress.sock>" in plan["argv"]
+    assert "/run/cc-egress" not in plan["argv"]
     assert plan["env"]["HTTPS_PROXY"] == "http://127.0.0.1:3128"
     assert plan["env"]["ALL_PROXY"] == "socks5h://127.0.0.1:1080"
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import http.server
 import ipaddress
 import json
@@ -29,7 +30,7 @@ import shutil
 import socket
 import stat
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +47,7 @@ from escape_kit import (
 )
 
 from cc_server.backends.egress_bridge import BRIDGE_DIR, HTTP_PROXY_PORT, SOCKS_PROXY_PORT
-from cc_server.backends.probe import ProbeResult
+from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, ProbeResult
 from cc_server.egress.addresses import IPAddress
 from cc_server.policy import parse_spec
 from cc_server.runtime.egress import egress_base_dir
@@ -264,8 +265,14 @@ class Lab:
         return await self.sb.sh(handle, script)
 
 
-@pytest.fixture
-async def lab(sb: Sandboxes, probe_result: ProbeResult) -> AsyncIterator[Lab]:
+def socat_only(probe_result: ProbeResult) -> ProbeResult:
+    """This host's probe without the launcher: the fallback bridge (socat and bound sockets)."""
+    tools = {k: v for k, v in probe_result.tools.items() if k != CREATE_LAUNCHER_TOOL}
+    return dataclasses.replace(probe_result, tools=tools, create_rules=False)
+
+
+@contextlib.asynccontextmanager
+async def open_lab(sb: Sandboxes, probe_result: ProbeResult) -> AsyncIterator[Lab]:
     dns = FakeDns(
         {
             ALLOWED: [LOOPBACK],
@@ -289,6 +296,25 @@ async def lab(sb: Sandboxes, probe_result: ProbeResult) -> AsyncIterator[Lab]:
             yield Lab(sb=sandboxes, dns=dns, upstream=upstream)
         finally:
             await manager.aclose()
+
+
+@pytest.fixture(params=["handoff", "socat"])
+async def lab(
+    sb: Sandboxes, probe_result: ProbeResult, request: pytest.FixtureRequest
+) -> AsyncIterator[Lab]:
+    """Every egress test runs over both bridges: the launcher's loopback listeners handed to the
+    proxies (this host has the launcher), and the socat fallback for hosts without it."""
+    if request.param == "handoff":
+        assert CREATE_LAUNCHER_TOOL in probe_result.tools, "the launcher is not built"
+    chosen = probe_result if request.param == "handoff" else socat_only(probe_result)
+    async with open_lab(sb, chosen) as lab:
+        yield lab
+
+
+@pytest.fixture
+async def socat_lab(sb: Sandboxes, probe_result: ProbeResult) -> AsyncIterator[Lab]:
+    async with open_lab(sb, socat_only(probe_result)) as lab:
+        yield lab
 
 
 # --- helpers ---------------------------------------------------------------------------------
@@ -385,6 +411,39 @@ def bridge_pids(netns: str) -> list[int]:
         for pid, argv in netns_pids(netns).items()
         if os.path.basename(argv[0]) == b"socat" and any(BRIDGE_ARGV in a for a in argv)
     ]
+
+
+def proxy_listeners(netns: str) -> dict[int, list[int]]:
+    """The loopback proxy listeners (ports 3128 and 1080) of network namespace `netns`, by
+    socket inode, each with the host pids holding an fd to it."""
+    inside = next(iter(netns_pids(netns)), None)
+    if inside is None:
+        return {}
+    wanted = {f"0100007F:{port:04X}" for port in (HTTP_PROXY_PORT, SOCKS_PROXY_PORT)}
+    inodes: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError), open(f"/proc/{inside}/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            fields = line.split()
+            if fields[1] in wanted and fields[3] == "0A":
+                inodes[int(fields[9])] = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                for inode in proxy_listeners_held_by(int(entry), inodes):
+                    inodes[inode].append(int(entry))
+    return inodes
+
+
+def proxy_listeners_held_by(pid: int, inodes: Iterable[int]) -> list[int]:
+    """Which of the socket `inodes` process `pid` still holds an fd to."""
+    wanted = {f"socket:[{inode}]": inode for inode in inodes}
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if target in wanted:
+                held.append(wanted[target])
+    return held
 
 
 def refuses_tcp(port: int) -> bool:
@@ -643,7 +702,8 @@ async def test_network_off_refuses_everything(
 # --- the bridge sockets ----------------------------------------------------------------------
 
 
-async def test_the_bridge_sockets_are_the_same_proxies(lab: Lab) -> None:
+async def test_the_bridge_sockets_are_the_same_proxies(socat_lab: Lab) -> None:
+    lab = socat_lab
     up = lab.upstream
     handle = lab.launch(egressAllowlist=[ALLOWED, "127.0.0.1"])
     found, result = await run_raw(
@@ -670,7 +730,8 @@ async def test_the_bridge_sockets_are_the_same_proxies(lab: Lab) -> None:
     assert [split_target(v.target) for v in result.violations] == expected
 
 
-async def test_the_bridge_directory_is_read_only(lab: Lab) -> None:
+async def test_the_bridge_directory_is_read_only(socat_lab: Lab) -> None:
+    lab = socat_lab
     up = lab.upstream
     handle = lab.launch(egressAllowlist=[ALLOWED, "127.0.0.1"])
     first = await lab.sh(handle, f"{CURL} http://{ALLOWED}:{up.port}/")
@@ -713,6 +774,41 @@ async def test_the_bridge_directory_is_read_only(lab: Lab) -> None:
     assert handle.violations == []
 
 
+async def test_a_command_cannot_take_over_the_proxy_ports(lab: Lab) -> None:
+    """The proxies' loopback ports are taken before the command runs, so it cannot listen there
+    itself (plain, with SO_REUSEADDR or SO_REUSEPORT, on 0.0.0.0 either) to see another
+    command's proxy traffic, and its proxied request still reaches the real proxy."""
+    up = lab.upstream
+    handle = lab.launch(egressAllowlist=[ALLOWED, "127.0.0.1"])
+
+    def bind(host: str, port: int, option: str = "") -> str:
+        opt = f"s.setsockopt(socket.SOL_SOCKET, socket.{option}, 1); " if option else ""
+        return (
+            f"{PY} -c 'import socket; s = socket.socket(); {opt}"
+            f"s.bind((\"{host}\", {port})); s.listen(1)'"
+        )
+
+    tries = {
+        f"{kind}_{name}": bind(host, port, option)
+        for kind, port in (("http", HTTP_PROXY_PORT), ("socks", SOCKS_PROXY_PORT))
+        for name, host, option in (
+            ("plain", "127.0.0.1", ""),
+            ("reuseaddr", "127.0.0.1", "SO_REUSEADDR"),
+            ("reuseport", "127.0.0.1", "SO_REUSEPORT"),
+            ("any", "0.0.0.0", "SO_REUSEADDR"),
+        )
+    }
+    result = await lab.sh(
+        handle,
+        attempts(control=bind("127.0.0.1", 8080), **tries)
+        + f"\n{CURL} http://{ALLOWED}:{up.port}/",
+    )
+    verdicts = outcomes(result)
+    assert verdicts.pop("control") == "ok", output(result)
+    assert verdicts == dict.fromkeys(tries, "fail"), verdicts
+    assert up.marker in output(result), output(result)
+
+
 # --- capabilities ----------------------------------------------------------------------------
 
 
@@ -748,6 +844,7 @@ async def test_a_github_refusal_suggests_the_capability(lab: Lab) -> None:
 @pytest.mark.parametrize("command", ["running", "finished"])
 async def test_aclose_leaves_no_proxy_socket_or_bridge(lab: Lab, command: str) -> None:
     up = lab.upstream
+    handoff = CREATE_LAUNCHER_TOOL in lab.sb.manager.probe_result.tools
     handle = lab.launch(egressAllowlist=[ALLOWED, "127.0.0.1"])
     first = await lab.sh(handle, f"{CURL} http://{ALLOWED}:{up.port}/")
     assert up.marker in output(first), output(first)
@@ -769,7 +866,14 @@ async def test_aclose_leaves_no_proxy_socket_or_bridge(lab: Lab, command: str) -
     async with asyncio.timeout(RUN_TIMEOUT_S), handle.exec(["/bin/sh", "-c", script]) as ex:
         assert await wait_until(lambda: netns_file.exists() and netns_file.read_text() != "")
         netns = netns_file.read_text().strip()
-        if command == "running":
+        listeners = proxy_listeners(netns) if command == "running" else {}
+        if command == "running" and handoff:
+            # Control: the sandbox's two loopback listeners are held by the server alone (the
+            # launcher made them and handed them over); no socat runs.
+            held = listeners
+            assert sorted(map(sorted, held.values())) == [[os.getpid()]] * 2, held
+            assert bridge_pids(netns) == []
+        elif command == "running":
             # Control: the host sees the sandbox's two socat listeners.
             assert await wait_until(lambda: len(bridge_pids(netns)) == 2), bridge_pids(netns)
         else:
@@ -783,6 +887,8 @@ async def test_aclose_leaves_no_proxy_socket_or_bridge(lab: Lab, command: str) -
     assert not os.path.lexists(session_dir)
     assert await wait_until(lambda: not netns_pids(netns)), netns_pids(netns)
     assert host_pids_with(session_dir) == []  # no bwrap still holds the directory's bind
+    if handoff:  # the server closed the sandbox's listeners with it
+        assert not set(listeners) & set(proxy_listeners_held_by(os.getpid(), listeners))
 
 
 async def test_a_new_manager_removes_what_a_killed_server_left(

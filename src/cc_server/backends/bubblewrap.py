@@ -63,6 +63,9 @@ def _ancestors_between(root: str, path: str) -> list[str]:
     return out
 
 
+_Word = str | FdArg | InheritedFd
+
+
 def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) -> None:
     if policy.requires_create_rules and create_rules is None:
         raise BackendUnavailable(
@@ -238,58 +241,65 @@ def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
 
 
 def _step_egress(
-    policy: CompiledPolicy, command: Command, socat: str | None
-) -> tuple[list[str | FdArg], tuple[str, ...]]:
-    # 7. The session's proxy sockets, read-only, and the command wrapped so that the loopback
-    #    listeners bridging to them are up before it runs. No bridge: no network at all.
+    policy: CompiledPolicy, command: Command, socat: str | None, launcher: bool
+) -> tuple[list[_Word], tuple[str, ...]]:
+    # 7. The session's proxies, the only way out of the sandbox's empty network namespace.
+    #    With the launcher (7b) it listens on the sandbox's loopback before the command runs and
+    #    hands both listeners to the proxies: nothing else is bound in. Without it, the proxies'
+    #    sockets are bound read-only and two socat listeners bridge to them, up before the
+    #    command runs. No egress: no network at all.
     if command.egress is None:
         return [], command.argv
-    if socat is None or not posixpath.isabs(socat):
-        raise EnforcementFailed(
-            "the egress bridge needs socat, resolved by the probe",
-            fix="install socat (apt-get install socat)",
-        )
-    bind: list[str | FdArg] = []
+    bind: list[_Word] = []
     base = command.egress.base_dir
     if base is not None and any(
         _under(base, m.host_path) or _under(m.host_path, base) for m in policy.mounts
     ):
         bind += ["--tmpfs", base, "--remount-ro", base]
+    if launcher:
+        return bind, command.argv
+    if socat is None or not posixpath.isabs(socat):
+        raise EnforcementFailed(
+            "the egress bridge needs socat, resolved by the probe",
+            fix="install socat (apt-get install socat)",
+        )
     bind += ["--ro-bind", command.egress.socket_dir, BRIDGE_DIR]
     return bind, bridged_argv(socat, command.argv)
 
 
-_Word = str | FdArg | InheritedFd
-
-
-def _step_create_rules(
-    policy: CompiledPolicy, tools: CreateRuleTools | None, argv: tuple[str, ...]
-) -> tuple[list[_Word], tuple[_Word, ...], CreateRules | None]:
-    # 7b. Create-time filename rules: the launcher, bound read-only, runs as the sandbox's PID 1
-    #     (so no process inside lacks the filter), installs the create-rule filter, sends its
-    #     listener to the server's supervisor and only then runs the command (and the egress
-    #     bridge's prologue, so socat is filtered too).
-    if not policy.requires_create_rules:
-        return [], argv, None
-    assert tools is not None  # _check_policy refused the launch otherwise
+def _step_launcher(
+    policy: CompiledPolicy, tools: CreateRuleTools | None, argv: tuple[str, ...], egress: bool
+) -> tuple[list[_Word], tuple[_Word, ...], CreateRules | None, InheritedFd | None]:
+    # 7b. The launcher, bound read-only, runs before the command. With egress it hands the
+    #     sandbox's loopback listeners to the proxies. With create-time filename rules it runs as
+    #     the sandbox's PID 1 (so no process inside lacks the filter), installs the create-rule
+    #     filter, sends its listener to the server's supervisor and only then runs the command.
+    rules_needed = policy.requires_create_rules
+    if tools is None or not (rules_needed or egress):
+        return [], argv, None, None
     for path in (tools.launcher, tools.library):
         if not posixpath.isabs(path):
             raise EnforcementFailed(f"{path!r} is not absolute; it must come from the probe")
-    try:
-        bpf = notify_filter_bpf()
-    except OSError as exc:
-        raise EnforcementFailed(
-            f"could not build the create-rule filter: {exc}",
-            fix="install libseccomp2 (apt-get install libseccomp2)",
-        ) from exc
-    sock = InheritedFd(name="create-rules.sock")
-    bind: list[_Word] = ["--as-pid-1", "--ro-bind", tools.launcher, GUEST_LAUNCHER]
-    wrapped: tuple[_Word, ...] = (
-        GUEST_LAUNCHER, "--filter", FdArg(name="create-rules.bpf", data=bpf), "--socket", sock,
-        "--", *argv,
-    )  # fmt: skip
-    rules = CreateRules(globs=policy.deny_create_globs, socket=sock, library=tools.library)
-    return bind, wrapped, rules
+    bind: list[_Word] = ["--ro-bind", tools.launcher, GUEST_LAUNCHER]
+    wrapped: list[_Word] = [GUEST_LAUNCHER]
+    handoff = None
+    if egress:
+        handoff = InheritedFd(name="egress.sock")
+        wrapped += ["--egress", handoff]
+    rules = None
+    if rules_needed:
+        try:
+            bpf = notify_filter_bpf()
+        except OSError as exc:
+            raise EnforcementFailed(
+                f"could not build the create-rule filter: {exc}",
+                fix="install libseccomp2 (apt-get install libseccomp2)",
+            ) from exc
+        sock = InheritedFd(name="create-rules.sock")
+        bind = ["--as-pid-1", *bind]
+        wrapped += ["--filter", FdArg(name="create-rules.bpf", data=bpf), "--socket", sock]
+        rules = CreateRules(globs=policy.deny_create_globs, socket=sock, library=tools.library)
+    return bind, (*wrapped, "--", *argv), rules, handoff
 
 
 def plan_bubblewrap(
@@ -305,10 +315,12 @@ def plan_bubblewrap(
 ) -> LaunchPlan:
     """Plan a bubblewrap launch of `command` under `policy`.
 
-    `bwrap` and `socat` are the absolute paths the probe resolved; `socat` is needed only when
-    the command carries an egress bridge. `create_rules` (the probe's launcher and supervisor)
-    is needed only when the policy has create-time globs; the plan then says so in
-    `LaunchPlan.create_rules`, and its caller must run the supervisor (runtime/handle.py does).
+    `bwrap` and `socat` are the absolute paths the probe resolved. `create_rules` (the probe's
+    launcher and supervisor) is needed when the policy has create-time globs; the plan then says
+    so in `LaunchPlan.create_rules`, and its caller must run the supervisor. With it, a command
+    with egress gets its loopback listeners from the launcher (`LaunchPlan.egress_handoff`; the
+    caller gives them to the session's proxies); without it, socat bridges to the proxies'
+    sockets and is needed then. runtime/handle.py does both.
 
     Two switches exist for the server-hosted terminal's fixed profile only (terminal.profile):
     `new_session=False` omits `--new-session`, so the shell keeps the PTY it was started on as its
@@ -350,10 +362,12 @@ def plan_bubblewrap(
     argv += _step_binds(host, policy.mounts)
     argv += _step_deny_write(host, policy, pinned, read_only)
     argv += _step_deny_read(host, policy, pinned, read_only)
-    bridge_args, bridged = _step_egress(policy, command, socat)
+    bridge_args, bridged = _step_egress(policy, command, socat, create_rules is not None)
     argv += bridge_args
-    rules_args, inner_argv, rules = _step_create_rules(policy, create_rules, bridged)
-    argv += rules_args
+    launcher_args, inner_argv, rules, handoff = _step_launcher(
+        policy, create_rules, bridged, command.egress is not None
+    )
+    argv += launcher_args
     # 8. Everything not explicitly writable above is read-only, including the sandbox's root.
     argv += ["--remount-ro", "/"]
     # 9. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
@@ -381,6 +395,7 @@ def plan_bubblewrap(
             else ()
         ),
         create_rules=rules,
+        egress_handoff=handoff,
     )
 
 

@@ -98,6 +98,9 @@ class LaunchPlan:
     cwd: str | None = None
     notes: tuple[str, ...] = ()
     create_rules: CreateRules | None = None
+    # The launcher inside sends the sandbox's two loopback proxy listeners over this socket; the
+    # caller must give them to the session's proxies (runtime/handle.py does).
+    egress_handoff: InheritedFd | None = None
 
     def render(self) -> str:
         """Human-readable form: one argv word per line, pairs of bwrap options kept together."""
@@ -111,6 +114,8 @@ class LaunchPlan:
         lines.extend(f"note: {n}" for n in self.notes)
         if self.create_rules is not None:
             lines.append(f"create rules: {', '.join(self.create_rules.globs)} (supervised)")
+        if self.egress_handoff is not None:
+            lines.append("egress: the launcher hands its loopback listeners to the proxies")
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, object]:
@@ -124,6 +129,8 @@ class LaunchPlan:
         }
         if self.create_rules is not None:
             out["createRules"] = {"globs": list(self.create_rules.globs), "supervised": True}
+        if self.egress_handoff is not None:
+            out["egressHandoff"] = True
         return out
 
 

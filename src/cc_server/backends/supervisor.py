@@ -418,42 +418,22 @@ async def receive_listener(sock: socket.socket, timeout_s: float = LISTENER_TIME
         EnforcementFailed: the launcher exited or sent something else, or nothing came in
             `timeout_s`; the command has not run (the launcher execs it only after sending).
     """
-    import asyncio  # lazy import (the CLI's attached path never gets here)
+    from cc_server.backends.fdpass import receive_fds  # lazy import: asyncio
 
-    loop = asyncio.get_running_loop()
-    sock.setblocking(False)
-    arrived: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not arrived.done():
-            arrived.set_result(None)
-
-    loop.add_reader(sock.fileno(), readable)
     try:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                await arrived
-                try:
-                    data, fds, _flags, _addr = socket.recv_fds(sock, 1, 1)
-                except BlockingIOError:
-                    arrived = loop.create_future()
-                    continue
-                break
+        fds = await receive_fds(sock, tag=b"L", count=1, timeout_s=timeout_s)
     except TimeoutError:
         raise EnforcementFailed(
             f"the create-rule launcher sent no listener within {timeout_s:g} s; "
             "the command was not run"
         ) from None
-    finally:
-        loop.remove_reader(sock.fileno())
-    if data != b"L" or len(fds) != 1 or not _is_listener(fds[0]):
+    if len(fds) != 1 or not _is_listener(fds[0]):
         for fd in fds:
             os.close(fd)
         raise EnforcementFailed(
             "the create-rule launcher exited without handing over its seccomp listener; "
             "the command was not run"
         )
-    os.set_inheritable(fds[0], False)
     return fds[0]
 
 

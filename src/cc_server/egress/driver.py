@@ -73,6 +73,7 @@ from cc_server.egress.socks_machine import Socks5Machine
 from cc_server.errors import EnforcementFailed
 
 __all__ = [
+    "AdoptedListener",
     "EgressRefused",
     "ProxyLimits",
     "ProxyParams",
@@ -212,6 +213,20 @@ class _Listener:
     identity: tuple[int, int] | None  # (st_dev, st_ino) of a Unix socket file we created
 
 
+class AdoptedListener:
+    """A listening socket the proxies accept on until `aclose()` (see SessionProxies.adopt)."""
+
+    def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
+        self._sock = sock
+        self._task = task
+
+    async def aclose(self) -> None:
+        """Stop accepting and close the socket; connections already accepted go on. Idempotent."""
+        self._task.cancel()
+        await asyncio.wait([self._task])
+        self._sock.close()
+
+
 class SessionProxies:
     """One HTTP and one SOCKS5 proxy for one session; never shared.
 
@@ -244,6 +259,7 @@ class SessionProxies:
         self._active = 0
         self._served = 0
         self._released = False
+        self._group: asyncio.Future[asyncio.TaskGroup] = asyncio.get_running_loop().create_future()
         self._supervisor = asyncio.get_running_loop().create_task(
             self._supervise(), name=f"egress {params.session_id} proxies"
         )
@@ -274,8 +290,36 @@ class SessionProxies:
 
     # The session's task group.
 
+    async def adopt(self, sock: socket.socket, protocol: Protocol, where: str) -> AdoptedListener:
+        """Accept on a listening socket someone else made (a sandbox's loopback listener, handed
+        over by its launcher), as the session's `protocol` proxy, until the returned handle is
+        closed. The socket is ours from here on: closed with the handle, or now on failure.
+
+        Raises:
+            EnforcementFailed: the proxies are closed.
+        """
+        try:
+            either: list[asyncio.Future[object]] = [self._group, self._supervisor]  # type: ignore[list-item]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+            if self._supervisor.done() or not self._group.done():
+                raise EnforcementFailed(
+                    f"the egress proxies of session {self._params.session_id!r} are closed"
+                )
+            tg = self._group.result()
+            sock.setblocking(False)
+            listener = _Listener(sock, protocol, where, None)
+            task = tg.create_task(
+                self._accept(listener, tg),
+                name=f"egress {self._params.session_id} accept {protocol} {where}",
+            )
+        except BaseException:
+            sock.close()
+            raise
+        return AdoptedListener(sock, task)
+
     async def _supervise(self) -> None:
         async with asyncio.TaskGroup() as tg:
+            self._group.set_result(tg)
             for listener in self._listeners:
                 tg.create_task(
                     self._accept(listener, tg),

@@ -15,6 +15,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import stat
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
@@ -22,6 +23,7 @@ from typing import Final, Protocol
 
 from cc_server.backends.plan import EgressBridge
 from cc_server.egress.driver import (
+    AdoptedListener,
     EgressRefused,
     ProxyParams,
     Resolver,
@@ -235,6 +237,28 @@ class SessionEgress:
             http_port=self._proxies.http_port,
             socks_port=self._proxies.socks_port,
         )
+
+    async def adopt(self, http: socket.socket, socks: socket.socket) -> list[AdoptedListener]:
+        """Serve a sandbox's own loopback listeners (handed over by its launcher) as this
+        session's HTTP and SOCKS5 proxies, until each returned handle is closed. The sockets are
+        ours from here on, closed on failure too.
+
+        Raises:
+            EnforcementFailed: the proxies are not running (the command must not run).
+        """
+        adopted: list[AdoptedListener] = []
+        try:
+            if self._proxies is None:
+                raise EnforcementFailed(f"the egress of session {self.session_id!r} is not running")
+            adopted.append(await self._proxies.adopt(http, "http", "sandbox loopback"))
+            adopted.append(await self._proxies.adopt(socks, "socks5", "sandbox loopback"))
+        except BaseException:
+            http.close()
+            socks.close()
+            for listener in adopted:
+                await listener.aclose()
+            raise
+        return adopted
 
     async def aclose(self) -> None:
         """Stop the proxies and remove the socket directory. Idempotent."""

@@ -14,10 +14,11 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from cc_server.backends.fdpass import receive_fds
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan, Planner
 from cc_server.backends.runner import start
 from cc_server.backends.supervisor import (
@@ -28,7 +29,7 @@ from cc_server.backends.supervisor import (
     stop_supervisor,
     watch_reports,
 )
-from cc_server.errors import BadSpec
+from cc_server.errors import BadSpec, EnforcementFailed
 from cc_server.policy import CompiledPolicy, SandboxBackend
 from cc_server.runtime.events import (
     EventType,
@@ -46,6 +47,7 @@ KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to 
 # After the command exits, how long its pipes may take to reach EOF. A descendant that left the
 # process group (setsid on `none`) can hold them open forever; it must not hold the execution.
 PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
+HANDOFF_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's egress listeners arriving
 CREATE_VIOLATION: Final = "file-write-create"  # SandboxViolation.action of a refused new name
 log = logging.getLogger("cc_server.runtime")
 
@@ -57,8 +59,20 @@ class EgressPort(Protocol):
         """Start the proxies if needed; return the bridge to plan with."""
         ...
 
+    async def adopt(self, http: socket.socket, socks: socket.socket) -> Sequence[Adopted]:
+        """Serve a sandbox's loopback listeners as the session's proxies (see runtime.egress)."""
+        ...
+
     async def aclose(self) -> None:
         """Stop the proxies and remove their sockets. Idempotent."""
+        ...
+
+
+class Adopted(Protocol):
+    """A listener the proxies accept on until closed."""
+
+    async def aclose(self) -> None:
+        """Stop accepting and close it. Idempotent."""
         ...
 
 
@@ -207,6 +221,7 @@ class Execution:
         self._task_group: asyncio.TaskGroup | None = None
         self._done = asyncio.Event()
         self._create_rules: CreateRuleSupervisor | None = None
+        self._adopted: Sequence[Adopted] = ()
         self.exit_code: int | None = None
 
     def _event(self, kind: EventType, **fields: Any) -> SandboxEvent:
@@ -231,11 +246,11 @@ class Execution:
             else pipe if (self._stdin_data is not None or self._interactive)
             else asyncio.subprocess.DEVNULL
         )
-        ours: socket.socket | None = None
-        fds: dict[str, int] = {}
-        if plan.create_rules is not None:  # the launcher inside sends its listener over this
-            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-            fds[plan.create_rules.socket.name] = theirs.fileno()
+        # The launcher inside sends over these: its seccomp listener, its loopback listeners.
+        pairs: dict[str, tuple[socket.socket, socket.socket]] = {}
+        for slot in (plan.create_rules.socket if plan.create_rules else None, plan.egress_handoff):
+            if slot is not None:
+                pairs[slot.name] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
                 self._proc, self._transport = await start(
@@ -243,15 +258,14 @@ class Execution:
                     stdin=stdin_mode,
                     stdout=None if self._inherit else pipe,
                     stderr=None if self._inherit else pipe,
-                    fds=fds,
+                    fds={name: theirs.fileno() for name, (_, theirs) in pairs.items()},
                 )
             finally:
-                if fds:
+                for _, theirs in pairs.values():
                     theirs.close()
-            if plan.create_rules is not None and ours is not None:
-                await self._start_create_rules(plan, ours)
+            await self._take_handoffs(plan, {name: ours for name, (ours, _) in pairs.items()})
         finally:
-            if ours is not None:
+            for ours, _ in pairs.values():
                 ours.close()
         self.handle._started(self)
         await self._queue.put(self._event(EventType.READY))
@@ -260,22 +274,46 @@ class Execution:
         self._task_group.create_task(self._supervise(), name=f"exec {self.exec_id} supervise")
         return self
 
-    async def _start_create_rules(self, plan: LaunchPlan, sock: socket.socket) -> None:
-        """Take the launcher's listener and start the supervisor; on failure the sandbox is
-        killed (the launcher never ran the command) and the error raised."""
-        assert plan.create_rules is not None
+    async def _take_handoffs(self, plan: LaunchPlan, socks: dict[str, socket.socket]) -> None:
+        """Take what the launcher hands over: its loopback listeners go to the session's proxies,
+        its seccomp listener to a new supervisor. The launcher runs the command only after both;
+        on any failure the sandbox is killed (the command never ran) and the error raised."""
         try:
-            listener = await receive_listener(sock)
-            self._create_rules = CreateRuleSupervisor.start(
-                listener, plan.create_rules.globs, library=plan.create_rules.library
-            )
+            if plan.egress_handoff is not None:
+                await self._adopt_egress(socks[plan.egress_handoff.name])
+            if plan.create_rules is not None:
+                listener = await receive_listener(socks[plan.create_rules.socket.name])
+                self._create_rules = CreateRuleSupervisor.start(
+                    listener, plan.create_rules.globs, library=plan.create_rules.library
+                )
         except BaseException:
             self._signal_group()
             await self._exited()
             if self._transport is not None:
                 self._transport.close()
+            for adopted in self._adopted:
+                await adopted.aclose()
+            self._adopted = ()
             raise
-        watch_reports(asyncio.get_running_loop(), self._create_rules, self._create_report)
+        if self._create_rules is not None:
+            watch_reports(asyncio.get_running_loop(), self._create_rules, self._create_report)
+
+    async def _adopt_egress(self, sock: socket.socket) -> None:
+        assert self.handle.egress is not None  # a plan with a handoff had an egress bridge
+        try:
+            fds = await receive_fds(sock, tag=b"E", count=2, timeout_s=HANDOFF_TIMEOUT_S)
+        except TimeoutError:
+            raise EnforcementFailed(
+                f"the sandbox's launcher sent no egress listeners within {HANDOFF_TIMEOUT_S:g} s;"
+                " the command was not run"
+            ) from None
+        if not fds:
+            raise EnforcementFailed(
+                "the sandbox's launcher exited without handing over its egress listeners; the "
+                "command was not run (its stderr says why)"
+            )
+        http, socks = (socket.socket(fileno=fd) for fd in fds)
+        self._adopted = await self.handle.egress.adopt(http, socks)
 
     def _create_report(self, report: Report) -> None:
         if isinstance(report, CreateRefused):
@@ -346,6 +384,9 @@ class Execution:
             assert code is not None
             if self._transport is not None:
                 self._transport.close()  # our pipe ends, even if a descendant still holds theirs
+            for adopted in self._adopted:  # the sandbox is gone: nothing more to accept
+                await adopted.aclose()
+            self._adopted = ()
             if self._create_rules is not None:  # its last refusals come before `exit`
                 rules, self._create_rules = self._create_rules, None
                 await stop_supervisor(rules, self._create_report)

@@ -106,13 +106,26 @@ def test_the_launcher_wraps_the_command_as_pid_1() -> None:
     assert any("create-time names refused: .env, *.key, *.pem" in n for n in plan.notes)
 
 
-def test_the_launcher_also_wraps_the_egress_prologue() -> None:
+def test_the_launcher_hands_over_the_egress_listeners_instead_of_socat() -> None:
     bridge = EgressBridge(socket_dir="/run/user/1/cc-server/egress-1-0123456789abcdef")
-    argv = _plan(Command(argv=("curl", "x"), egress=bridge)).argv
+    plan = _plan(Command(argv=("curl", "x"), egress=bridge))
+    argv = plan.argv
     inner = argv[argv.index("--") + 1 :]
-    assert inner[0] == GUEST_LAUNCHER  # so socat runs under the filter too
-    assert inner[inner.index("--") + 1 : inner.index("--") + 3] == ("/bin/sh", "-c")
-    assert inner[-2:] == ("curl", "x")
+    assert inner[0] == GUEST_LAUNCHER
+    handoff = InheritedFd(name="egress.sock")
+    assert plan.egress_handoff == handoff and inner[1:3] == ("--egress", handoff)
+    assert inner[inner.index("--") + 1 :] == ("curl", "x")  # no socat prologue
+    assert bridge.socket_dir not in argv  # nothing of the proxies is bound in
+    assert plan.to_json()["egressHandoff"] is True
+
+
+def test_without_globs_the_launcher_still_hands_over_egress() -> None:
+    bridge = EgressBridge(socket_dir="/run/user/1/cc-server/egress-1-0123456789abcdef")
+    plan = _plan(Command(argv=("curl", "x"), egress=bridge), globs=())
+    argv = plan.argv
+    assert plan.create_rules is None and "--as-pid-1" not in argv  # bwrap's init stays PID 1
+    inner = argv[argv.index("--") + 1 :]
+    assert inner == (GUEST_LAUNCHER, "--egress", InheritedFd(name="egress.sock"), "--", "curl", "x")
 
 
 def test_without_globs_there_is_no_launcher_even_when_the_tools_exist() -> None:

@@ -1,8 +1,14 @@
 /*
  * cc-create-launcher: the last step inside a bubblewrap sandbox before the command runs.
  *
- *   cc-create-launcher --filter FD --socket FD -- COMMAND [ARGS...]
+ *   cc-create-launcher [--egress FD] [--filter FD --socket FD] -- COMMAND [ARGS...]
  *   cc-create-launcher --selftest
+ *
+ * --egress FD (the sandbox's network namespace has only `lo`): it listens on 127.0.0.1:3128 and
+ * 127.0.0.1:1080 inside that namespace and sends both listening sockets over the Unix socket FD
+ * to the server, whose session proxies then accept on them directly (a listening socket stays
+ * in the namespace it was made in, whoever accepts). Nothing inside keeps them: the command
+ * finds the ports taken and can neither accept the sandbox's own proxy traffic nor re-bind them.
  *
  * It installs the create-rule filter (classic BPF read from FD, built by the server with
  * libseccomp) with SECCOMP_FILTER_FLAG_NEW_LISTENER | SECCOMP_FILTER_FLAG_WAIT_KILLABLE_RECV,
@@ -27,12 +33,14 @@
  * (5.14+); it prints "ok" and exits 0, or prints what is missing and exits 1.
  */
 #define _GNU_SOURCE
+#include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/audit.h>
 #include <linux/capability.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
 #include <stddef.h>
@@ -57,6 +65,11 @@
 #endif
 
 #define EXIT_NOT_RUN 125
+#define EGRESS_HTTP_PORT 3128 /* backends/egress_bridge.py HTTP_PROXY_PORT */
+#define EGRESS_SOCKS_PORT 1080 /* backends/egress_bridge.py SOCKS_PROXY_PORT */
+#define EGRESS_BACKLOG 128
+#define USAGE "usage: cc-create-launcher [--egress FD] [--filter FD --socket FD] -- COMMAND [ARGS...]"
+
 #define MAX_FILTER_INSNS 4096 /* BPF_MAXINSNS */
 #define SELFTEST_TIMEOUT_MS 5000
 
@@ -86,26 +99,56 @@ static int install_filter(struct sock_fprog *prog) {
                         prog);
 }
 
-static int send_fd(int sock, int fd) {
-    char byte = 'L';
-    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+/* One message of one byte, `tag`, carrying `n` descriptors. */
+static int send_fds(int sock, char tag, const int *fds, size_t n) {
+    struct iovec iov = {.iov_base = &tag, .iov_len = 1};
     union {
         struct cmsghdr hdr;
-        char buf[CMSG_SPACE(sizeof(int))];
+        char buf[CMSG_SPACE(2 * sizeof(int))];
     } control;
+    if (n == 0 || n > 2)
+        return -1;
     memset(&control, 0, sizeof control);
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
-                         .msg_controllen = sizeof control.buf};
+                         .msg_controllen = CMSG_SPACE(n * sizeof(int))};
     struct cmsghdr *cmsg = CMSG_FIRSTHDR(&msg);
     cmsg->cmsg_level = SOL_SOCKET;
     cmsg->cmsg_type = SCM_RIGHTS;
-    cmsg->cmsg_len = CMSG_LEN(sizeof(int));
-    memcpy(CMSG_DATA(cmsg), &fd, sizeof(int));
-    ssize_t n;
+    cmsg->cmsg_len = CMSG_LEN(n * sizeof(int));
+    memcpy(CMSG_DATA(cmsg), fds, n * sizeof(int));
+    ssize_t sent;
     do {
-        n = sendmsg(sock, &msg, MSG_NOSIGNAL);
-    } while (n < 0 && errno == EINTR);
-    return n == 1 ? 0 : -1;
+        sent = sendmsg(sock, &msg, MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+    return sent == 1 ? 0 : -1;
+}
+
+static int send_fd(int sock, int fd) { return send_fds(sock, 'L', &fd, 1); }
+
+/* A TCP listener on 127.0.0.1:port in this network namespace. */
+static int listen_loopback(unsigned short port) {
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        die("socket(AF_INET)");
+    int one = 1;
+    if (setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one) < 0)
+        die("setsockopt(SO_REUSEADDR)");
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons(port),
+                               .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) < 0)
+        die("cannot listen on the sandbox's loopback for the egress proxies (bind)");
+    if (listen(fd, EGRESS_BACKLOG) < 0)
+        die("listen");
+    return fd;
+}
+
+/* The egress handoff: both listeners to the server in one message tagged 'E', then closed. */
+static void hand_over_egress(int sock) {
+    int fds[2] = {listen_loopback(EGRESS_HTTP_PORT), listen_loopback(EGRESS_SOCKS_PORT)};
+    if (send_fds(sock, 'E', fds, 2) < 0)
+        die("cannot hand the egress listeners to the server");
+    if (close(fds[0]) < 0 || close(fds[1]) < 0 || close(sock) < 0)
+        die("close");
 }
 
 static int recv_fd(int sock) {
@@ -295,23 +338,37 @@ out:
 int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "--selftest") == 0)
         return selftest();
-    int filter_fd = -1, sock_fd = -1, i = 1;
+    int filter_fd = -1, sock_fd = -1, egress_fd = -1, i = 1;
     for (; i < argc; i++) {
         if (strcmp(argv[i], "--") == 0) {
             i++;
             break;
         }
         if (i + 1 >= argc)
-            die_msg("usage: cc-create-launcher --filter FD --socket FD -- COMMAND [ARGS...]");
+            die_msg(USAGE);
         if (strcmp(argv[i], "--filter") == 0)
             filter_fd = parse_fd(argv[++i]);
         else if (strcmp(argv[i], "--socket") == 0)
             sock_fd = parse_fd(argv[++i]);
+        else if (strcmp(argv[i], "--egress") == 0)
+            egress_fd = parse_fd(argv[++i]);
         else
             die_msg("unknown option");
     }
-    if (filter_fd < 0 || sock_fd < 0 || i >= argc)
-        die_msg("usage: cc-create-launcher --filter FD --socket FD -- COMMAND [ARGS...]");
+    if ((filter_fd < 0) != (sock_fd < 0) || (filter_fd < 0 && egress_fd < 0) || i >= argc)
+        die_msg(USAGE);
+    /* Before the filter: the listeners are the launcher's own, made before any command runs,
+     * so the command's first connection finds them listening. */
+    if (egress_fd >= 0)
+        hand_over_egress(egress_fd);
+    if (filter_fd < 0) {
+        if (getpid() == 1)
+            return run_as_init(&argv[i]);
+        execvp(argv[i], &argv[i]);
+        int code = errno == ENOENT ? 127 : 126;
+        fprintf(stderr, "cc-create-launcher: cannot run %s: %s\n", argv[i], strerror(errno));
+        return code;
+    }
 
     struct sock_fprog prog = read_filter(filter_fd);
     /* A core file is a name the kernel creates without a syscall: none, ever. */
