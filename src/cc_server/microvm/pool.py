@@ -1,0 +1,235 @@
+"""Pre-booted, snapshotted VMs: one cold boot per image and accelerator, then a restore per
+session.
+
+The template VM boots once with its RAM in a file mapped MAP_SHARED, waits for its agent, and is
+saved with QEMU's `x-ignore-shared`: a device-state file of a few tens of KB, and the RAM file.
+Every session's VM is a new QEMU that maps that RAM file copy-on-write (`share=off`: the file
+never changes, the page cache of its pages is shared by every VM) and loads the small state:
+tens of milliseconds instead of seconds, with the session's own mounts in the slots.
+
+Suspending a session's VM saves its whole state (its RAM is private, so all of it) to a file in
+the session's private directory and ends QEMU; resuming maps the template RAM again and loads
+that file. Nothing else of a suspended VM stays in memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from cc_server.errors import EnforcementFailed
+from cc_server.microvm.image import GuestImage
+from cc_server.microvm.link import AgentLink
+from cc_server.microvm.vm import MachineConfig, Qemu, Share, qemu_argv
+
+__all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
+
+BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
+TEMPLATE_FORMAT: Final = 2  # bump when the machine's device set changes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Template:
+    """A snapshot that new VMs restore: RAM file plus device state."""
+
+    directory: Path
+    ram: Path
+    state: Path
+
+
+class Vm:
+    """One running QEMU and the agent link it serves."""
+
+    def __init__(self, qemu: Qemu, run_dir: Path, link: AgentLink) -> None:
+        self.qemu = qemu
+        self.run_dir = run_dir
+        self.link = link
+
+    async def stop(self) -> None:
+        """Detach the agent link and end QEMU. Idempotent."""
+        await self.link.detach()
+        await self.qemu.quit()
+
+
+class VmPool:
+    """Boots the template once (per image and accelerator) and restores VMs from it."""
+
+    def __init__(
+        self, *, qemu: str, image: GuestImage, config: MachineConfig, cache_dir: Path
+    ) -> None:
+        self.qemu = qemu
+        self.image = image
+        self.config = config
+        self.cache_dir = cache_dir
+        self._lock = asyncio.Lock()
+        self._template: Template | None = None
+        key = f"{image.directory.name.removeprefix('image-')}-{config.accel}"
+        self.template_dir = cache_dir / f"template-{TEMPLATE_FORMAT}-{key}-{config.memory_mib}m"
+        self.empty_dir = cache_dir / "empty"
+
+    def _argv(
+        self,
+        run_dir: Path,
+        *,
+        ram: Path,
+        ram_shared: bool,
+        shares: Sequence[Share | None],
+        incoming: bool,
+    ) -> tuple[str, ...]:
+        return qemu_argv(
+            self.qemu,
+            self.image,
+            self.config,
+            run_dir=run_dir,
+            ram_path=ram,
+            ram_shared=ram_shared,
+            shares=shares,
+            empty_dir=self.empty_dir,
+            incoming=incoming,
+        )
+
+    async def template(self) -> Template:
+        """The snapshot, cold-booted on first use (cached on disk across restarts).
+
+        Raises:
+            EnforcementFailed: the VM did not boot or could not be saved.
+        """
+        async with self._lock:
+            if self._template is None:
+                ready = self.template_dir / "ready"
+                if not ready.exists():
+                    await self._build_template()
+                self._template = Template(
+                    directory=self.template_dir,
+                    ram=self.template_dir / "ram.img",
+                    state=self.template_dir / "state.bin",
+                )
+            return self._template
+
+    async def _build_template(self) -> None:
+        self.empty_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        work = self.template_dir.with_name(self.template_dir.name + f".build-{os.getpid()}")
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(parents=True, mode=0o700)
+        try:
+            ram = work / "ram.img"
+            with open(ram, "wb") as f:
+                f.truncate(self.config.memory_mib << 20)
+            link = AgentLink(lambda: None)
+            qemu = await Qemu.launch(
+                self._argv(work, ram=ram, ram_shared=True, shares=(), incoming=False), work
+            )
+            vm = Vm(qemu, work, link)
+            try:
+                try:
+                    async with asyncio.timeout(BOOT_TIMEOUT_S):
+                        await link.wait_startup(
+                            work / "agent.sock", alive=lambda: qemu.returncode is None
+                        )
+                        await link.hello()
+                except TimeoutError as exc:
+                    raise EnforcementFailed(
+                        f"the template VM did not boot in {BOOT_TIMEOUT_S} s: "
+                        + _console_tail(work),
+                        fix="check the accelerator (cc-server probe) and the image",
+                    ) from exc
+                await link.detach()
+                await qemu.execute("stop")
+                fd = os.open(work / "state.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    await qemu.migrate_to(fd, ignore_shared=True)
+                finally:
+                    os.close(fd)
+            finally:
+                await vm.stop()
+            for name in ("agent.sock", "qmp.sock"):
+                with contextlib.suppress(FileNotFoundError):
+                    (work / name).unlink()
+            (work / "ready").write_text("")
+            if not self.template_dir.exists():
+                os.replace(work, self.template_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+
+    async def restore(
+        self, run_dir: Path, shares: Sequence[Share | None], link: AgentLink
+    ) -> Vm:
+        """A new VM from the template, running, its agent greeted (clock and entropy set).
+
+        Raises:
+            EnforcementFailed: QEMU did not start or the snapshot did not load.
+        """
+        template = await self.template()
+        return await self._incoming(run_dir, shares, link, template.ram, template.state, True)
+
+    async def resume(
+        self, run_dir: Path, shares: Sequence[Share | None], link: AgentLink, state: Path
+    ) -> Vm:
+        """A suspended VM back from its full state file.
+
+        Raises:
+            EnforcementFailed: QEMU did not start or the state did not load.
+        """
+        template = await self.template()
+        return await self._incoming(run_dir, shares, link, template.ram, state, False)
+
+    async def _incoming(
+        self,
+        run_dir: Path,
+        shares: Sequence[Share | None],
+        link: AgentLink,
+        ram: Path,
+        state: Path,
+        ignore_shared: bool,
+    ) -> Vm:
+        argv = self._argv(run_dir, ram=ram, ram_shared=False, shares=shares, incoming=True)
+        qemu = await Qemu.launch(argv, run_dir)
+        vm = Vm(qemu, run_dir, link)
+        try:
+            # Connect first: the console port drops what the guest writes while nobody listens.
+            await link.attach(run_dir / "agent.sock", alive=lambda: qemu.returncode is None)
+            fd = os.open(state, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                await qemu.migrate_from(fd, ignore_shared=ignore_shared)
+            finally:
+                os.close(fd)
+            await qemu.execute("cont")
+            await link.hello()
+        except BaseException:
+            await vm.stop()
+            raise
+        return vm
+
+    async def suspend(self, vm: Vm, state: Path) -> None:
+        """Save `vm` whole to `state` and end its QEMU.
+
+        Raises:
+            EnforcementFailed: QEMU refused to save it (the VM keeps running).
+        """
+        await vm.link.detach()
+        await vm.qemu.execute("stop")
+        fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            await vm.qemu.migrate_to(fd, ignore_shared=False)
+        except BaseException:
+            os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                state.unlink()
+            await vm.qemu.execute("cont")
+            await vm.link.attach(vm.run_dir / "agent.sock", alive=lambda: True)
+            raise
+        os.close(fd)
+        await vm.qemu.quit()
+
+
+def _console_tail(run_dir: Path) -> str:
+    with contextlib.suppress(OSError):
+        text = (run_dir / "console.log").read_text(errors="replace").strip()
+        return text[-400:] or "(no console output)"
+    return "(no console log)"

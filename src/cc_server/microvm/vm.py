@@ -1,0 +1,368 @@
+"""One QEMU process: its command line (pure), its start through the runner, and its control
+through QMP over a Unix socket (asyncio, no library: a dozen commands, one JSON object a line).
+
+The machine is QEMU's `microvm`: no PCI, no firmware, no disk; the guest RAM is a file-backed
+memory backend (so a snapshot can leave it out and a restore can map it copy-on-write), a
+virtio-serial console port carries the agent protocol, and a fixed number of virtio-9p devices
+("slots") carry the session's bind mounts. Every slot exists in every VM, pointed at an empty
+read-only directory when unused, so one snapshot fits every session whatever its mounts.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from cc_server.backends.plan import LaunchPlan
+from cc_server.backends.runner import start
+from cc_server.errors import EnforcementFailed
+from cc_server.microvm.image import GuestImage
+from cc_server.policy import SandboxBackend
+
+__all__ = [
+    "MOUNT_SLOTS",
+    "MachineConfig",
+    "Qemu",
+    "QmpClient",
+    "QmpError",
+    "Share",
+    "qemu_argv",
+    "slot_tag",
+]
+
+# microvm has 8 virtio-mmio transports: one for the agent's console port, six for mounts, one
+# spare. Raising it changes every snapshot (the device set travels in the migration stream).
+MOUNT_SLOTS: Final = 6
+GUEST_RAM_MIB: Final = 256
+KERNEL_CMDLINE: Final = (
+    "console=ttyS0 rdinit=/init panic=-1 reboot=t quiet loglevel=1 tsc_early_khz=2000000"
+)
+QMP_CONNECT_TIMEOUT_S: Final = 10.0  # QEMU creates its QMP socket within ~50 ms normally
+QMP_COMMAND_TIMEOUT_S: Final = 30.0
+QMP_LINE_LIMIT: Final = 1 << 20  # one QMP reply line
+QUIT_GRACE_S: Final = 5.0
+# QEMU's own seccomp filter: no spawning helpers, no privilege changes, no obsolete syscalls.
+QEMU_SANDBOX: Final = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+
+
+def slot_tag(index: int) -> str:
+    """The 9p mount tag of slot `index` (what the agent mounts)."""
+    return f"ccm{index}"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MachineConfig:
+    """What must be identical between a snapshot and every restore of it."""
+
+    accel: str  # "kvm" or "tcg"
+    memory_mib: int = GUEST_RAM_MIB
+    cpus: int = 1
+
+    @property
+    def cpu(self) -> str:
+        """`host` under KVM; the widest model TCG emulates otherwise."""
+        return "host" if self.accel == "kvm" else "max"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Share:
+    """A host directory behind one slot."""
+
+    host_path: str
+    read_only: bool
+
+
+def _opt(value: str) -> str:
+    """A value inside a QEMU `-opt a=b,c=d` list: commas are doubled."""
+    return value.replace(",", ",,")
+
+
+def qemu_argv(
+    qemu: str,
+    image: GuestImage,
+    config: MachineConfig,
+    *,
+    run_dir: Path,
+    ram_path: Path,
+    ram_shared: bool,
+    shares: Sequence[Share | None],
+    empty_dir: Path,
+    incoming: bool,
+) -> tuple[str, ...]:
+    """The QEMU command line for one VM; runs nothing.
+
+    `ram_shared`: map the RAM file MAP_SHARED (the VM that boots and snapshots it) or
+    copy-on-write (every restore: the file never changes). `shares` fills the slots in order;
+    `None` and missing slots get `empty_dir`, read-only. Every share is `security_model=none`
+    (files keep the QEMU user's ownership) and read-only at the host when `read_only`: the
+    guest kernel cannot write through it whatever runs inside.
+    """
+    if len(shares) > MOUNT_SLOTS:
+        raise ValueError(f"{len(shares)} shares for {MOUNT_SLOTS} slots")
+    mem = config.memory_mib
+    argv = [
+        qemu,
+        "-accel", config.accel,
+        "-cpu", config.cpu,
+        "-M", "microvm,pit=on,pic=on,rtc=on,memory-backend=mem0",
+        "-m", f"{mem}M",
+        "-smp", str(config.cpus),
+        "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
+        "-object",
+        f"memory-backend-file,id=mem0,size={mem}M,mem-path={_opt(str(ram_path))},"
+        f"share={'on' if ram_shared else 'off'}",
+        "-kernel", str(image.kernel),
+        "-initrd", str(image.initrd),
+        "-append", KERNEL_CMDLINE,
+        "-serial", f"file:{run_dir / 'console.log'}",
+        "-device", "virtio-serial-device",
+        "-chardev", f"socket,id=agent,path={_opt(str(run_dir / 'agent.sock'))},server=on,wait=off",
+        "-device", "virtconsole,chardev=agent",
+    ]
+    for index in range(MOUNT_SLOTS):
+        share = shares[index] if index < len(shares) else None
+        path, read_only = (
+            (share.host_path, share.read_only) if share else (str(empty_dir), True)
+        )
+        argv += [
+            "-fsdev",
+            f"local,id=fs{index},path={_opt(path)},security_model=none"
+            + (",readonly=on" if read_only else ""),
+            "-device", f"virtio-9p-device,fsdev=fs{index},mount_tag={slot_tag(index)}",
+        ]
+    argv += ["-qmp", f"unix:{_opt(str(run_dir / 'qmp.sock'))},server=on,wait=off"]
+    argv += ["-sandbox", QEMU_SANDBOX]
+    if incoming:
+        argv += ["-incoming", "defer"]
+    return tuple(argv)
+
+
+class QmpError(EnforcementFailed):
+    """QEMU refused a QMP command or went away."""
+
+
+class QmpClient:
+    """QMP over a Unix socket: one command at a time, events skipped."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._buf = bytearray()
+        self._lock = asyncio.Lock()
+
+    @classmethod
+    async def connect(cls, path: Path, alive: Qemu) -> QmpClient:
+        """Connect once QEMU has created its socket; negotiate capabilities.
+
+        Raises:
+            QmpError: QEMU exited, or did not answer in time.
+        """
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(QMP_CONNECT_TIMEOUT_S):
+            while True:
+                if alive.returncode is not None:
+                    raise QmpError(f"QEMU exited at start: {alive.stderr_tail()}")
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                sock.setblocking(False)
+                try:
+                    await loop.sock_connect(sock, str(path))
+                    break
+                except (FileNotFoundError, ConnectionRefusedError):
+                    sock.close()
+                    await asyncio.sleep(0.002)
+        client = cls(sock)
+        await client._read_json()  # the greeting
+        await client.execute("qmp_capabilities")
+        return client
+
+    async def _read_json(self) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        while b"\n" not in self._buf:
+            if len(self._buf) > QMP_LINE_LIMIT:
+                raise QmpError("oversized QMP reply")
+            chunk = await loop.sock_recv(self._sock, 65536)
+            if not chunk:
+                raise QmpError("QEMU closed its QMP socket")
+            self._buf += chunk
+        line, _, rest = bytes(self._buf).partition(b"\n")
+        self._buf = bytearray(rest)
+        value = json.loads(line)
+        if not isinstance(value, dict):
+            raise QmpError(f"unexpected QMP line {line[:200]!r}")
+        return value
+
+    async def execute(
+        self, command: str, arguments: dict[str, Any] | None = None, *, fd: int | None = None
+    ) -> Any:
+        """Run one command and return its `return` value; `fd` rides along (SCM_RIGHTS), for
+        `getfd`.
+
+        Raises:
+            QmpError: QEMU answered with an error or went away.
+        """
+        message: dict[str, Any] = {"execute": command}
+        if arguments:
+            message["arguments"] = arguments
+        data = json.dumps(message).encode() + b"\n"
+        loop = asyncio.get_running_loop()
+        async with self._lock, asyncio.timeout(QMP_COMMAND_TIMEOUT_S):
+            try:
+                if fd is not None:
+                    fds = array.array("i", [fd])
+                    self._sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                else:
+                    await loop.sock_sendall(self._sock, data)
+            except OSError as exc:
+                raise QmpError(f"QMP {command}: {exc}") from exc
+            while True:
+                reply = await self._read_json()
+                if "return" in reply:
+                    return reply["return"]
+                if "error" in reply:
+                    raise QmpError(f"QMP {command}: {reply['error'].get('desc', reply)}")
+
+    def close(self) -> None:
+        """Close the socket. Idempotent."""
+        self._sock.close()
+
+
+class Qemu:
+    """A running QEMU process, started through the runner, and its QMP connection."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, run_dir: Path) -> None:
+        self.proc = proc
+        self.run_dir = run_dir
+        self.qmp: QmpClient | None = None
+        self._transport: asyncio.SubprocessTransport | None = None
+
+    @property
+    def pid(self) -> int:
+        """QEMU's pid."""
+        return self.proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Its exit status once it has exited."""
+        return self.proc.returncode
+
+    def stderr_tail(self) -> str:
+        """The end of QEMU's stderr log, for error messages."""
+        with contextlib.suppress(OSError):
+            return (self.run_dir / "qemu.log").read_text(errors="replace")[-600:].strip()
+        return ""
+
+    @classmethod
+    async def launch(cls, argv: tuple[str, ...], run_dir: Path) -> Qemu:
+        """Start QEMU with an empty environment and wait for its QMP socket.
+
+        Raises:
+            EnforcementFailed: QEMU did not start or did not answer.
+        """
+        plan = LaunchPlan(backend=SandboxBackend.MICROVM, argv=argv, env=(), cwd=str(run_dir))
+        log = os.open(run_dir / "qemu.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            proc, transport = await start(
+                plan, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log
+            )
+        finally:
+            os.close(log)
+        qemu = cls(proc, run_dir)
+        qemu._transport = transport  # closed once QEMU has exited (closing it kills QEMU)
+        try:
+            qemu.qmp = await QmpClient.connect(run_dir / "qmp.sock", qemu)
+        except BaseException:
+            await qemu.kill()
+            raise
+        return qemu
+
+    async def execute(
+        self, command: str, arguments: dict[str, Any] | None = None, *, fd: int | None = None
+    ) -> Any:
+        """A QMP command (see QmpClient.execute)."""
+        if self.qmp is None:
+            raise QmpError("QEMU's QMP connection is closed")
+        return await self.qmp.execute(command, arguments, fd=fd)
+
+    async def wait_status(self, wanted: str, timeout_s: float = QMP_COMMAND_TIMEOUT_S) -> None:
+        """Poll `query-status` until the VM reaches `wanted`.
+
+        Raises:
+            QmpError: it reached a failed state or took too long.
+        """
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    status = (await self.execute("query-status"))["status"]
+                    if status == wanted:
+                        return
+                    if status in ("internal-error", "shutdown", "guest-panicked"):
+                        raise QmpError(f"the VM is {status}: {self.stderr_tail()}")
+                    await asyncio.sleep(0.001)
+        except TimeoutError as exc:
+            raise QmpError(f"the VM did not reach {wanted!r} in {timeout_s} s") from exc
+
+    async def migrate_to(self, fd: int, *, ignore_shared: bool) -> None:
+        """Write the stopped VM's state to `fd` (a file) and wait until done.
+
+        Raises:
+            QmpError: the migration failed (a 9p share still mounted blocks it).
+        """
+        await self.execute(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": ignore_shared}]},
+        )
+        await self.execute("getfd", {"fdname": "migration-out"}, fd=fd)
+        await self.execute("migrate", {"uri": "fd:migration-out"})
+        async with asyncio.timeout(QMP_COMMAND_TIMEOUT_S):
+            while True:
+                info = await self.execute("query-migrate")
+                status = info.get("status")
+                if status == "completed":
+                    return
+                if status in ("failed", "cancelled"):
+                    raise QmpError(f"saving the VM failed: {info.get('error-desc', status)}")
+                await asyncio.sleep(0.002)
+
+    async def migrate_from(self, fd: int, *, ignore_shared: bool) -> None:
+        """Load a state file into a QEMU started with `-incoming defer`; it ends `paused`.
+
+        Raises:
+            QmpError: the state does not fit this VM.
+        """
+        await self.execute(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": ignore_shared}]},
+        )
+        await self.execute("getfd", {"fdname": "migration-in"}, fd=fd)
+        await self.execute("migrate-incoming", {"uri": "fd:migration-in"})
+        await self.wait_status("paused")
+
+    async def quit(self) -> None:
+        """Ask QEMU to quit, then kill it if it lingers. Idempotent."""
+        if self.returncode is None and self.qmp is not None:
+            with contextlib.suppress(QmpError, OSError, TimeoutError):
+                async with asyncio.timeout(QUIT_GRACE_S):
+                    await self.execute("quit")
+                    await self.proc.wait()
+        await self.kill()
+
+    async def kill(self) -> None:
+        """SIGKILL QEMU and reap it. Idempotent."""
+        if self.qmp is not None:
+            self.qmp.close()
+            self.qmp = None
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+        await self.proc.wait()
+        if self._transport is not None:
+            self._transport.close()
+            self._transport = None
