@@ -1,0 +1,404 @@
+"""Seam 2: an ACP agent spawned through the SandboxManager, with cc-server as its ACP client.
+
+The agent is any command speaking the Agent Client Protocol (newline-delimited JSON-RPC) on
+stdio. It runs in the run's sandbox (native or `none`, always with the sanitised environment);
+its stdout and stdin are the execution's pipes, adapted to the ACP SDK's message transport by
+`ExecutionTransport`. cc-server answers the agent's requests itself:
+
+- `fs/read_text_file`, `fs/write_text_file`: the in-process file tools, recorded as `acp_read` /
+  `acp_write` actions, so the guardrail chain and every path rule apply; a refusal is a JSON-RPC
+  error naming the guardrail;
+- `session/request_permission`: the mode's policy: a tool kind the mode's surface lacks (an edit,
+  delete or move in review or plan) gets the reject option, anything unknown is rejected too;
+- `terminal/*`: the harness bash tool (`acp_terminal` actions), bounded output, killed on release
+  and on teardown;
+- `session/update`: kept (bounded) for the client of the API.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections import deque
+from typing import Any, Final
+
+from acp import PROTOCOL_VERSION, RequestError
+from acp.client.connection import ClientSideConnection
+from acp.schema import (
+    AllowedOutcome,
+    ClientCapabilities,
+    CreateTerminalResponse,
+    DeniedOutcome,
+    EnvVariable,
+    FileSystemCapabilities,
+    Implementation,
+    KillTerminalResponse,
+    PermissionOption,
+    ReadTextFileResponse,
+    ReleaseTerminalResponse,
+    RequestPermissionResponse,
+    TerminalExitStatus,
+    TerminalOutputResponse,
+    ToolCallUpdate,
+    WaitForTerminalExitResponse,
+    WriteTextFileResponse,
+)
+
+from cc_server import __version__
+from cc_server.dispatch.env import sanitized_env
+from cc_server.dispatch.guardrails import ActionKind, ActionRefused
+from cc_server.dispatch.harness import shell_argv
+from cc_server.dispatch.modes import tools_for_mode
+from cc_server.dispatch.service import DispatchRun
+from cc_server.errors import BadSpec, CcServerError, EnforcementFailed
+from cc_server.runtime.events import EventType, SandboxViolation
+from cc_server.runtime.handle import Execution
+
+__all__ = [
+    "HANDSHAKE_TIMEOUT_S",
+    "MAX_MESSAGE_BYTES",
+    "AcpSession",
+    "CcAcpClient",
+    "ExecutionTransport",
+    "start_acp",
+]
+
+log = logging.getLogger("cc_server.dispatch.acp")
+MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024  # one JSON-RPC line from the agent (a big file write)
+MAX_STDERR_BYTES: Final = 64 * 1024  # the agent's stderr tail kept for diagnostics
+MAX_UPDATES: Final = 1000  # session/update notifications kept per run
+HANDSHAKE_TIMEOUT_S: Final = 60.0  # initialize + session/new (a Node agent's start-up)
+REFUSED_CODE: Final = -32001  # JSON-RPC error code of a request the policy refused
+
+# Which tool of the mode's surface an ACP tool kind needs; kinds not listed are refused.
+_KIND_TOOL: Final = {
+    "read": "read",
+    "search": "search",
+    "edit": "edit",
+    "delete": "write",
+    "move": "write",
+    "execute": "bash",
+    "think": None,  # no effect outside the agent
+    "switch_mode": None,
+}
+
+
+class ExecutionTransport:
+    """The ACP SDK's message transport over an execution's stdin and stdout events.
+
+    Lines longer than MAX_MESSAGE_BYTES end the connection (the agent is broken or hostile);
+    stderr is kept as a bounded tail; violations are forwarded to the run's handle already.
+    """
+
+    def __init__(self, execution: Execution) -> None:
+        self.execution = execution
+        self._events = execution.__aiter__()
+        self._buffer = bytearray()
+        self._eof = False
+        self.stderr_tail: deque[bytes] = deque()
+        self._stderr_bytes = 0
+        self.violations: list[SandboxViolation] = []
+        self.exit_code: int | None = None
+
+    def _keep_stderr(self, data: bytes) -> None:
+        self.stderr_tail.append(data)
+        self._stderr_bytes += len(data)
+        while self._stderr_bytes > MAX_STDERR_BYTES and len(self.stderr_tail) > 1:
+            self._stderr_bytes -= len(self.stderr_tail.popleft())
+
+    def stderr_text(self) -> str:
+        return b"".join(self.stderr_tail).decode("utf-8", errors="replace")
+
+    async def send(self, message: dict[str, Any]) -> None:
+        data = json.dumps(message, separators=(",", ":")).encode() + b"\n"
+        try:
+            await self.execution.write_stdin(data)
+        except (BrokenPipeError, ConnectionResetError, BadSpec) as exc:
+            raise ConnectionError(f"the ACP agent's stdin is closed: {exc}") from exc
+
+    async def receive(self) -> dict[str, Any] | None:
+        while True:
+            newline = self._buffer.find(b"\n")
+            if newline >= 0:
+                line = bytes(self._buffer[:newline]).strip()
+                del self._buffer[: newline + 1]
+                if not line:
+                    continue
+                try:
+                    message = json.loads(line)
+                except ValueError:
+                    log.warning("ACP agent wrote a line that is not JSON: %r", line[:200])
+                    continue
+                if isinstance(message, dict):
+                    return message
+                continue
+            if len(self._buffer) > MAX_MESSAGE_BYTES:
+                log.warning("ACP agent wrote a line over %d bytes; closing", MAX_MESSAGE_BYTES)
+                await self.execution.kill(reason="protocol")
+                self._buffer.clear()
+            if self._eof:
+                return None
+            try:
+                event = await self._events.__anext__()
+            except StopAsyncIteration:
+                self._eof = True
+                continue
+            if event.type is EventType.STDOUT and event.data:
+                self._buffer += event.data
+            elif event.type is EventType.STDERR and event.data:
+                self._keep_stderr(event.data)
+            elif event.type is EventType.VIOLATION and event.violation is not None:
+                self.violations.append(event.violation)
+            elif event.type is EventType.EXIT:
+                self.exit_code = event.exit_code
+                self._eof = True
+
+    async def close(self) -> None:
+        self.execution.close_stdin()
+
+
+def _refused(exc: CcServerError) -> RequestError:
+    data: dict[str, Any] = {"error": type(exc).__name__, "fix": exc.fix}
+    if isinstance(exc, ActionRefused):
+        data["guardrail"] = exc.guardrail
+    return RequestError(REFUSED_CODE, exc.message, data)
+
+
+class CcAcpClient:
+    """cc-server's answers to one agent's requests (the ACP SDK's Client interface)."""
+
+    def __init__(self, run: DispatchRun) -> None:
+        self.run = run
+        self.updates: deque[dict[str, Any]] = deque(maxlen=MAX_UPDATES)
+        self.permissions: list[dict[str, Any]] = []  # every decision, for the API and the tests
+        self.file_requests: list[dict[str, Any]] = []
+
+    # -- file system --
+
+    async def read_text_file(self, session_id: str, path: str, line: int | None = None,
+                             limit: int | None = None, **_: Any) -> ReadTextFileResponse:
+        offset = max(0, (line or 1) - 1)
+        try:
+            content = self.run.tools.read(path, offset=offset, limit=limit,
+                                          kind=ActionKind.ACP_READ)
+        except CcServerError as exc:
+            self.file_requests.append({"method": "fs/read_text_file", "path": path,
+                                       "refused": exc.message})
+            raise _refused(exc) from None
+        self.file_requests.append({"method": "fs/read_text_file", "path": path, "refused": None})
+        return ReadTextFileResponse(content=content)
+
+    async def write_text_file(self, session_id: str, path: str, content: str,
+                              **_: Any) -> WriteTextFileResponse | None:
+        try:
+            self.run.tools.write(path, content, kind=ActionKind.ACP_WRITE)
+        except CcServerError as exc:
+            self.file_requests.append({"method": "fs/write_text_file", "path": path,
+                                       "refused": exc.message})
+            raise _refused(exc) from None
+        self.file_requests.append({"method": "fs/write_text_file", "path": path, "refused": None})
+        return WriteTextFileResponse()
+
+    # -- permission --
+
+    def decide(self, kind: str | None) -> tuple[bool, str]:
+        """Whether the mode's policy allows a tool call of this ACP kind, and why."""
+        surface = tools_for_mode(self.run.mode)
+        if kind not in _KIND_TOOL:
+            if kind == "fetch" and self.run.handle.policy.network_allowed:
+                return True, "network goes through the session's proxies and their allowlist"
+            return False, f"tool kind {kind!r} is not one the {self.run.mode} mode's policy allows"
+        tool = _KIND_TOOL[kind]
+        if tool is None or tool in surface:
+            return True, f"{self.run.mode} mode exposes the {tool or kind} tool"
+        return False, f"{self.run.mode} mode does not expose the {tool!r} tool"
+
+    async def request_permission(self, session_id: str, tool_call: ToolCallUpdate,
+                                 options: list[PermissionOption],
+                                 **_: Any) -> RequestPermissionResponse:
+        allowed, why = self.decide(tool_call.kind)
+        wanted = ("allow_once", "allow_always") if allowed else ("reject_once", "reject_always")
+        chosen = next((o for o in options if o.kind in wanted), None)
+        self.permissions.append({"toolCallId": tool_call.tool_call_id, "kind": tool_call.kind,
+                                 "title": tool_call.title, "allowed": allowed, "reason": why,
+                                 "optionId": None if chosen is None else chosen.option_id})
+        if chosen is None:  # no option says what the policy decided: cancel, never allow
+            return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
+        return RequestPermissionResponse(
+            outcome=AllowedOutcome(outcome="selected", option_id=chosen.option_id)
+        )
+
+    # -- updates --
+
+    async def session_update(self, session_id: str, update: Any, **_: Any) -> None:
+        dump = update.model_dump(mode="json", by_alias=True, exclude_none=True) \
+            if hasattr(update, "model_dump") else update
+        self.updates.append(dump)
+
+    # -- terminals (the harness bash tool) --
+
+    async def create_terminal(self, session_id: str, command: str, args: list[str] | None = None,
+                              env: list[EnvVariable] | None = None, cwd: str | None = None,
+                              output_byte_limit: int | None = None,
+                              **_: Any) -> CreateTerminalResponse:
+        argv = (command, *args) if args else shell_argv(command)
+        try:
+            extra = sanitized_env({v.name: v.value for v in env or ()})
+            terminal = await self.run.harness.start(argv, env=extra, cwd=cwd,
+                                                    output_limit=output_byte_limit)
+        except CcServerError as exc:
+            raise _refused(exc) from None
+        return CreateTerminalResponse(terminal_id=terminal.terminal_id)
+
+    def _terminal(self, terminal_id: str) -> Any:
+        try:
+            return self.run.harness.terminal(terminal_id)
+        except BadSpec as exc:
+            raise RequestError.invalid_params({"terminalId": terminal_id,
+                                               "message": exc.message}) from None
+
+    @staticmethod
+    def _exit(terminal: Any) -> TerminalExitStatus | None:
+        if not terminal.done:
+            return None
+        return TerminalExitStatus(exit_code=terminal.exit_code,
+                                  signal="SIGKILL" if terminal.killed else None)
+
+    async def terminal_output(self, session_id: str, terminal_id: str,
+                              **_: Any) -> TerminalOutputResponse:
+        terminal = self._terminal(terminal_id)
+        return TerminalOutputResponse(output=terminal.output.text(),
+                                      truncated=terminal.output.truncated,
+                                      exit_status=self._exit(terminal))
+
+    async def wait_for_terminal_exit(self, session_id: str, terminal_id: str,
+                                     **_: Any) -> WaitForTerminalExitResponse:
+        terminal = self._terminal(terminal_id)
+        code = await terminal.wait()
+        return WaitForTerminalExitResponse(exit_code=code,
+                                           signal="SIGKILL" if terminal.killed else None)
+
+    async def kill_terminal(self, session_id: str, terminal_id: str,
+                            **_: Any) -> KillTerminalResponse | None:
+        await self._terminal(terminal_id).kill()
+        return KillTerminalResponse()
+
+    async def release_terminal(self, session_id: str, terminal_id: str,
+                               **_: Any) -> ReleaseTerminalResponse | None:
+        await self.run.harness.release(terminal_id)
+        return ReleaseTerminalResponse()
+
+
+class AcpSession:
+    """A live ACP agent of a run: its execution, the connection, and what it said."""
+
+    def __init__(self, run: DispatchRun, execution: Execution) -> None:
+        self.run = run
+        self.execution = execution
+        self.transport = ExecutionTransport(execution)
+        self.client = CcAcpClient(run)
+        self.connection = ClientSideConnection(self.client, self.transport)  # type: ignore[arg-type]
+        self.agent_info: dict[str, Any] | None = None
+        self.protocol_version: int | None = None
+        self.session_id: str | None = None
+        self._closed = False
+
+    async def handshake(self) -> None:
+        """initialize, then session/new in the worktree.
+
+        Raises:
+            EnforcementFailed: the agent did not complete the handshake (it exited, timed out,
+                or answered with an error); its stderr tail is in the message.
+        """
+        try:
+            async with asyncio.timeout(HANDSHAKE_TIMEOUT_S):
+                init = await self.connection.initialize(
+                    protocol_version=PROTOCOL_VERSION,
+                    client_capabilities=ClientCapabilities(
+                        fs=FileSystemCapabilities(read_text_file=True, write_text_file=True),
+                        terminal=True,
+                    ),
+                    client_info=Implementation(name="cc-server", version=__version__),
+                )
+                self.protocol_version = init.protocol_version
+                info = getattr(init, "agent_info", None)
+                self.agent_info = None if info is None else info.model_dump(
+                    mode="json", by_alias=True, exclude_none=True)
+                session = await self.connection.new_session(cwd=self.run.worktree.path,
+                                                            mcp_servers=[])
+                self.session_id = session.session_id
+        except (TimeoutError, RequestError, ConnectionError, OSError) as exc:
+            raise EnforcementFailed(
+                "the ACP agent did not complete initialize and session/new: "
+                f"{type(exc).__name__}: {exc}; "
+                f"its stderr: {self.transport.stderr_text()[-2000:]!r}",
+                fix="check the agent command (CC_SERVER_ACP_AGENT) and that it speaks ACP on "
+                "stdio",
+            ) from exc
+
+    def to_json(self) -> dict[str, Any]:
+        """The API form."""
+        return {
+            "protocolVersion": self.protocol_version,
+            "agentInfo": self.agent_info,
+            "sessionId": self.session_id,
+            "fileRequests": list(self.client.file_requests),
+            "permissions": list(self.client.permissions),
+            "updates": len(self.client.updates),
+        }
+
+    async def prompt(self, text: str) -> dict[str, Any]:
+        """Send one user prompt; the agent's stop reason when it is done.
+
+        Raises:
+            EnforcementFailed: no session, or the agent answered with an error.
+        """
+        from acp import text_block
+
+        if self.session_id is None:
+            raise EnforcementFailed("the ACP session was not created")
+        try:
+            response = await self.connection.prompt(session_id=self.session_id,
+                                                    prompt=[text_block(text)])
+        except (RequestError, ConnectionError) as exc:
+            raise EnforcementFailed(f"the ACP agent failed the prompt: {exc}") from exc
+        dumped: dict[str, Any] = response.model_dump(mode="json", by_alias=True,
+                                                     exclude_none=True)
+        return dumped
+
+    async def aclose(self) -> None:
+        """Close the connection and kill the agent. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            await self.connection.close()
+        await self.execution.kill(reason="closed")
+        with contextlib.suppress(Exception):
+            await self.execution.__aexit__(None, None, None)
+
+
+async def start_acp(run: DispatchRun) -> AcpSession:
+    """Spawn the run's ACP agent in its sandbox and complete initialize and session/new.
+
+    Raises:
+        BadSpec: the run has no agent command.
+        EnforcementFailed: the handshake failed (the agent is killed).
+        CcServerError: the sandbox could not start the agent.
+    """
+    if run.agent_argv is None:
+        raise BadSpec("this run has no ACP agent command")
+    execution = run.handle.exec(run.agent_argv, env=run.env, cwd=run.worktree.path,
+                                interactive_stdin=True)
+    await execution.__aenter__()
+    session = AcpSession(run, execution)
+    run.acp = session
+    try:
+        await session.handshake()
+    except BaseException:
+        await session.aclose()
+        run.acp = None
+        raise
+    return session

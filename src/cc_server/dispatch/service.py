@@ -1,0 +1,320 @@
+"""Dispatch: an agent run in a conversation's worktree, behind one policy.
+
+`DispatchService.open_run` turns a request (worktree, mode, capabilities, agent) into a run:
+
+1. the worktree's registered checkout joins `protectedPaths`; the worktree is the one writable
+   bind (in chat; read-only in the other modes) and the guest workdir; the run's private state
+   directory (its HOME and `CLAUDE_CONFIG_DIR`) is a runner state directory; the agent's install
+   directories are read-only binds;
+2. the credential broker's grant (only what the capabilities allow) adds its binds and variables;
+3. the sandbox is launched with the standard create-time globs (`.env`, `*.key`, `*.pem`):
+   `native` when the boot probe found a backend and `--sandbox` is on, else `none`. Linux native
+   without create-time rules refuses here (BackendUnavailable), and that is what the client sees;
+4. the guardrail chain of the compiled policy is built, and the agent's own launch passes it as a
+   `bash` action: a refusal (or a guardrail that raises) refuses the dispatch;
+5. the seam starts: Claude Code (`dispatch.claude`) or an ACP agent (`dispatch.acp`); the harness
+   bash tool and the in-process file tools are ready for every run.
+
+`close_run` tears it down in reverse: agent, terminals, sandbox (its proxies), the grant
+(revoked), the state directory. Nothing of the run is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final, Protocol
+
+from cc_server.dispatch.env import sanitized_env
+from cc_server.dispatch.guardrails import (
+    Action,
+    ActionKind,
+    Guardrail,
+    GuardrailChain,
+    standard_chain,
+)
+from cc_server.dispatch.harness import HarnessBash
+from cc_server.dispatch.tools import FileTools
+from cc_server.dispatch.worktrees import Worktree, WorktreeManager
+from cc_server.errors import BadSpec
+from cc_server.policy import (
+    STANDARD_DENY_CREATE_GLOBS,
+    AgentCapabilities,
+    Mode,
+    SandboxBackend,
+    SandboxBindMount,
+    SandboxSpec,
+)
+from cc_server.runtime.handle import SandboxHandle
+from cc_server.runtime.port import SandboxManager
+
+__all__ = [
+    "AgentKind",
+    "CredentialBrokerPort",
+    "DispatchConfig",
+    "DispatchRun",
+    "DispatchService",
+    "Grant",
+]
+
+log = logging.getLogger("cc_server.dispatch")
+MAX_RUNS: Final = 64  # live runs per server: each holds a sandbox, proxies and an agent process
+
+
+class AgentKind(enum.StrEnum):
+    """Which seam a run uses."""
+
+    CLAUDE = "claude"  # seam 1: the configured Claude Code CLI through the SandboxPort
+    ACP = "acp"  # seam 2: the configured ACP agent, cc-server as its client
+    HARNESS = "harness"  # no agent process: the harness bash tool and the file tools only
+
+
+class Grant(Protocol):
+    """What a run was granted (`dispatch.credentials.Grant`)."""
+
+    @property
+    def env(self) -> Mapping[str, str]: ...
+
+    @property
+    def bind_mounts(self) -> tuple[SandboxBindMount, ...]: ...
+
+
+class CredentialBrokerPort(Protocol):
+    """What the service needs of the credential broker (`dispatch.credentials`)."""
+
+    def grant(self, spec: SandboxSpec, run_id: str) -> Grant: ...
+
+    def revoke(self, run_id: str) -> None: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DispatchConfig:
+    """The operator's dispatch settings."""
+
+    state_base: str  # private directory for each run's HOME and CLAUDE_CONFIG_DIR
+    claude_path: str | None = None  # the Claude Code CLI (absolute path)
+    acp_agent: tuple[str, ...] | None = None  # argv of the ACP agent
+    agent_dirs: tuple[str, ...] = ()  # read-only binds the agents need (an npm prefix, ...)
+    guardrails: tuple[Guardrail, ...] = ()  # the operator's extra guardrails, after the standard
+
+    def agent_argv(self, agent: AgentKind) -> tuple[str, ...] | None:
+        """The configured command of an agent kind (None for the harness or when not set)."""
+        if agent is AgentKind.CLAUDE:
+            return None if self.claude_path is None else (self.claude_path,)
+        if agent is AgentKind.ACP:
+            return self.acp_agent
+        return None
+
+
+@dataclass(eq=False)
+class DispatchRun:
+    """One live run."""
+
+    run_id: str
+    agent: AgentKind
+    worktree: Worktree
+    spec: SandboxSpec
+    handle: SandboxHandle
+    chain: GuardrailChain
+    tools: FileTools
+    harness: HarnessBash
+    grant: Grant
+    env: dict[str, str]  # what the agent process gets
+    state_dir: str
+    agent_argv: tuple[str, ...] | None  # the configured agent command (None: harness only)
+    server_environ: Mapping[str, str] = field(repr=False)  # for checking additions only
+    acp: Any = None  # the AcpSession of an ACP run (dispatch.acp)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def backend(self) -> SandboxBackend:
+        """The backend actually running (the run's badge)."""
+        return self.handle.backend
+
+    @property
+    def mode(self) -> Mode:
+        return self.spec.mode
+
+    def to_json(self) -> dict[str, Any]:
+        """The API form."""
+        return {
+            "runId": self.run_id,
+            "agent": str(self.agent),
+            "backend": str(self.backend),
+            "sandboxed": self.backend is not SandboxBackend.NONE,
+            "mode": str(self.mode),
+            "worktree": self.worktree.to_json(),
+            "protectedPaths": list(self.spec.protected_paths),
+            "state": str(self.handle.state),
+            "violations": [v.to_json() for v in self.handle.violations],
+            "guardrails": list(self.chain.names),
+            **self.details,
+        }
+
+
+class DispatchService:
+    """Owns the worktrees and the live runs of one server."""
+
+    def __init__(
+        self,
+        *,
+        manager: SandboxManager,
+        worktrees: WorktreeManager,
+        broker: CredentialBrokerPort,
+        config: DispatchConfig,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.manager = manager
+        self.worktrees = worktrees
+        self.broker = broker
+        self.config = config
+        self.environ = dict(os.environ if environ is None else environ)  # the server's own
+        self.runs: dict[str, DispatchRun] = {}
+        os.makedirs(config.state_base, mode=0o700, exist_ok=True)
+
+    # -- the spec --
+
+    def spec_for(self, run_id: str, worktree: Worktree, *, workspace_id: str, mode: Mode,
+                 capabilities: AgentCapabilities, state_dir: str,
+                 extra_binds: Sequence[SandboxBindMount] = ()) -> SandboxSpec:
+        """The standard dispatch spec of a run (see the module docstring)."""
+        binds = [SandboxBindMount(host_path=worktree.path)]
+        binds += [SandboxBindMount(host_path=d, read_only=True) for d in self.config.agent_dirs
+                  if d != worktree.path]
+        binds += list(extra_binds)
+        return SandboxSpec(
+            session_id=run_id,
+            workspace_id=workspace_id,
+            agent_id=None,
+            bind_mounts=tuple(binds),
+            guest_workdir=worktree.path,
+            mode=mode,
+            capabilities=capabilities,
+            protected_paths=(worktree.original,),
+            runner_state_dirs=(state_dir,),
+        )
+
+    def agent_env(self, state_dir: str, grant: Grant, *, inherit_host: bool) -> dict[str, str]:
+        """The agent process's environment.
+
+        Sanitised (the allowlist, never a secret-named variable) plus the run's HOME and Claude
+        config directory and the grant's variables; the proxy variables are added by the native
+        plan where egress applies. `inherit_host` is the one exception the reference page names:
+        Claude Code through NoSandboxAdapter inherits the host environment.
+        """
+        add = {"HOME": state_dir, "CLAUDE_CONFIG_DIR": os.path.join(state_dir, ".claude"),
+               **grant.env}
+        if inherit_host:
+            return {**self.environ, **add}
+        return sanitized_env(self.environ, add=add)
+
+    # -- runs --
+
+    async def open_run(
+        self,
+        *,
+        worktree_id: str,
+        agent: AgentKind,
+        mode: Mode = Mode.CHAT,
+        capabilities: AgentCapabilities | None = None,
+        workspace_id: str = "default",
+    ) -> DispatchRun:
+        """Launch the run's sandbox and check the agent's launch against the guardrails. The seam
+        itself is started by the caller (`dispatch.claude`, `dispatch.acp`).
+
+        Raises:
+            BadSpec: unknown worktree, an agent that is not configured, too many runs.
+            BackendUnavailable: the native backend cannot enforce the dispatch policy here (no
+                create-time rules on Linux).
+            ActionRefused: a guardrail refused the agent's launch.
+            CcServerError: anything else that kept the sandbox from starting.
+        """
+        if len(self.runs) >= MAX_RUNS:
+            raise BadSpec(f"{MAX_RUNS} runs are live", fix="close one (DELETE /v1/dispatches/ID)")
+        worktree = self.worktrees.get(worktree_id)
+        argv = self.config.agent_argv(agent)
+        if agent is not AgentKind.HARNESS and argv is None:
+            raise BadSpec(f"no {agent} agent is configured on this server",
+                          fix="set CC_SERVER_CLAUDE_PATH or CC_SERVER_ACP_AGENT and restart")
+        run_id = f"run-{secrets.token_hex(8)}"
+        state_dir = os.path.join(self.config.state_base, run_id)
+        os.mkdir(state_dir, 0o700)
+        os.mkdir(os.path.join(state_dir, ".claude"), 0o700)
+        caps = capabilities or AgentCapabilities.safe_default()
+        grant: Grant | None = None
+        handle: SandboxHandle | None = None
+        try:
+            base_spec = self.spec_for(run_id, worktree, workspace_id=workspace_id, mode=mode,
+                                      capabilities=caps, state_dir=state_dir)
+            grant = self.broker.grant(base_spec, run_id)
+            spec = self.spec_for(run_id, worktree, workspace_id=workspace_id, mode=mode,
+                                 capabilities=caps, state_dir=state_dir,
+                                 extra_binds=grant.bind_mounts)
+            # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
+            # so a server shutdown destroys it with the rest.
+            port = self.manager.choose(None)
+            handle = port.launch(spec, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
+            self.manager.handles[run_id] = handle
+            chain = standard_chain(handle.policy, extra=self.config.guardrails)
+            if argv is not None:
+                chain.check(Action(kind=ActionKind.BASH, tool="bash", session_id=run_id,
+                                   mode=mode, argv=argv))
+            inherit = agent is AgentKind.CLAUDE and handle.backend is SandboxBackend.NONE
+            env = self.agent_env(state_dir, grant, inherit_host=inherit)
+            harness_env = self.agent_env(state_dir, grant, inherit_host=False)
+            run = DispatchRun(
+                run_id=run_id, agent=agent, worktree=worktree, spec=spec, handle=handle,
+                chain=chain, tools=FileTools(handle.policy, chain),
+                harness=HarnessBash(handle, chain, mode=mode, env=harness_env,
+                                    cwd=worktree.path),
+                grant=grant, env=env, state_dir=state_dir, agent_argv=argv,
+                server_environ=self.environ,
+            )
+        except BaseException:
+            if handle is not None:
+                self.manager.handles.pop(run_id, None)
+                await handle.destroy()
+            if grant is not None:
+                self.broker.revoke(run_id)
+            shutil.rmtree(state_dir, ignore_errors=True)
+            raise
+        self.runs[run_id] = run
+        return run
+
+    def get(self, run_id: str) -> DispatchRun:
+        """A live run, or BadSpec."""
+        run = self.runs.get(run_id)
+        if run is None:
+            raise BadSpec(f"no live dispatch run {run_id!r}", fix="open one (POST /v1/dispatches)")
+        return run
+
+    async def close_run(self, run_id: str) -> bool:
+        """Tear a run down: agent, terminals, sandbox and proxies, grant, state. Idempotent;
+        False when unknown."""
+        run = self.runs.pop(run_id, None)
+        if run is None:
+            return False
+        try:
+            if run.acp is not None:
+                await run.acp.aclose()
+            await run.harness.aclose()
+        finally:
+            try:
+                await self.manager.destroy(run_id)
+            finally:
+                self.broker.revoke(run_id)
+                shutil.rmtree(run.state_dir, ignore_errors=True)
+        return True
+
+    async def aclose(self) -> None:
+        """Close every run, then unmount the worktrees (their layers stay). Idempotent."""
+        for run_id in list(self.runs):
+            with contextlib.suppress(Exception):
+                await self.close_run(run_id)
+        self.worktrees.close()
