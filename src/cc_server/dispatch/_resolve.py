@@ -23,6 +23,7 @@ import ctypes.util
 import errno
 import os
 import platform
+import stat
 from typing import Final, Protocol
 
 __all__ = [
@@ -71,6 +72,17 @@ def _split(relative: str) -> list[str]:
     return parts
 
 
+def _open_nofollow(name: str, flags: int, mode: int, dirfd: int) -> int:
+    """openat with O_NOFOLLOW; a link met as a directory (ENOTDIR) is reported as ELOOP."""
+    try:
+        return os.open(name, flags | os.O_NOFOLLOW, mode, dir_fd=dirfd)
+    except NotADirectoryError:
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
+                raise OSError(errno.ELOOP, "a symbolic link is never followed", name) from None
+        raise
+
+
 class WalkResolver:
     """Component by component with O_NOFOLLOW; every symlink is refused."""
 
@@ -86,15 +98,11 @@ class WalkResolver:
         current = dirfd
         try:
             for part in parts[:-1]:
-                nxt = os.open(
-                    part,
-                    os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    dir_fd=current,
-                )
+                nxt = _open_nofollow(part, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, 0, current)
                 if current != dirfd:
                     os.close(current)
                 current = nxt
-            return os.open(parts[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=current)
+            return _open_nofollow(parts[-1], flags | os.O_CLOEXEC, mode, current)
         finally:
             if current != dirfd:
                 os.close(current)

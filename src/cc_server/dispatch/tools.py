@@ -66,7 +66,8 @@ MAX_SEARCH_LINE_CHARS: Final = 4096  # longer lines are searched up to this leng
 MAX_PATTERN_CHARS: Final = 1000  # a longer regex is refused (bounds compile and match cost)
 MAX_WALK_ENTRIES: Final = 200_000  # directory entries one search visits at most
 BINARY_SNIFF_BYTES: Final = 8192  # a NUL in the first bytes marks a file as binary
-SKIPPED_DIRS: Final = frozenset({".git"})  # repository internals: noise for every search
+GIT_DIR_NAME: Final = ".git"  # the file tools never write one, at any depth
+SKIPPED_DIRS: Final = frozenset({GIT_DIR_NAME})  # repository internals: noise for every search
 
 _DIR_FLAGS: Final = os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK
 _READ_FLAGS: Final = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY
@@ -169,6 +170,13 @@ class FileTools:
         denied = rule_covering(self.policy.deny_write, host)
         if denied is not None:
             raise self._refuse(action, f"{guest!r} is never writable ({denied.reason})")
+        below = host[len(mount.host_path) :].split("/")
+        if GIT_DIR_NAME in below:
+            raise self._refuse(
+                action,
+                f"{guest!r} is inside or is a {GIT_DIR_NAME} entry (at any depth: its hooks and "
+                "config run code on the host); git itself changes it",
+            )
 
     def _check_create(self, action: Action, name: str, guest: str) -> None:
         glob = matches_create_glob(self.policy.deny_create_globs, name)
@@ -544,18 +552,7 @@ class FileTools:
         Raises:
             ActionRefused: the search root is refused. FileToolError: the pattern is invalid.
         """
-        regex = _compile(pattern)
-        matches: list[SearchMatch] = []
-        for guest, data in self._walk_files(kind, path, with_content=True):
-            assert data is not None
-            for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
-                if regex.search(line[:MAX_SEARCH_LINE_CHARS]):
-                    matches.append(
-                        SearchMatch(path=guest, line=number, text=line[:MAX_SEARCH_LINE_CHARS])
-                    )
-                    if len(matches) >= MAX_SEARCH_RESULTS:
-                        return matches
-        return matches
+        return self._matches(kind, pattern, path, first_only=False)
 
     def search_files(
         self, query: str, path: str | None = None, *, kind: ActionKind = ActionKind.SEARCH_FILES
@@ -565,16 +562,25 @@ class FileTools:
         Raises:
             ActionRefused: the search root is refused. FileToolError: the query is invalid.
         """
-        regex = _compile(query)
-        found: list[str] = []
+        return [m.path for m in self._matches(kind, query, path, first_only=True)]
+
+    def _matches(
+        self, kind: ActionKind, pattern: str, path: str | None, *, first_only: bool
+    ) -> list[SearchMatch]:
+        """Matching lines below `path` (only each file's first with `first_only`), bounded."""
+        regex = _compile(pattern)
+        matches: list[SearchMatch] = []
         for guest, data in self._walk_files(kind, path, with_content=True):
             assert data is not None
-            text = data.decode("utf-8", "replace")
-            if any(regex.search(line[:MAX_SEARCH_LINE_CHARS]) for line in text.splitlines()):
-                found.append(guest)
-                if len(found) >= MAX_SEARCH_RESULTS:
-                    break
-        return found
+            for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+                text = line[:MAX_SEARCH_LINE_CHARS]
+                if regex.search(text):
+                    matches.append(SearchMatch(path=guest, line=number, text=text))
+                    if len(matches) >= MAX_SEARCH_RESULTS:
+                        return matches
+                    if first_only:
+                        break
+        return matches
 
     def find(
         self, glob: str, path: str | None = None, *, kind: ActionKind = ActionKind.FIND
