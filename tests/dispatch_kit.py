@@ -1,0 +1,143 @@
+"""Shared helpers of the dispatch tests: throw-away git checkouts, the pinned npm agents, and a
+DispatchService over a real SandboxManager.
+
+The npm agents are installed by `scripts/bootstrap --test` under `.cache/npm`; a test that needs
+them fails (never skips) when they are missing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import os
+import pathlib
+import subprocess
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from cc_server.backends.probe import ProbeResult
+from cc_server.dispatch.guardrails import Guardrail
+from cc_server.dispatch.service import DispatchConfig, DispatchService
+from cc_server.dispatch.worktrees import WorktreeManager, mounted_under
+from cc_server.policy import HostFacts
+from cc_server.runtime.port import SandboxManager
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NPM_MODULES = ROOT / ".cache" / "npm" / "node_modules"
+CLAUDE_BIN = NPM_MODULES / ".bin" / "claude"
+ACP_AGENT_BIN = NPM_MODULES / ".bin" / "claude-agent-acp"
+CLAUDE_VERSION = "2.1.332"  # pinned in scripts/bootstrap
+ACP_AGENT_NAME = "@zed-industries/claude-agent-acp"
+ACP_AGENT_VERSION = "0.23.1"  # pinned in scripts/bootstrap
+
+
+def need_npm_agents() -> None:
+    """Fail (not skip) when bootstrap did not install the npm agents."""
+    missing = [str(p) for p in (CLAUDE_BIN, ACP_AGENT_BIN) if not p.exists()]
+    assert not missing, f"run scripts/bootstrap --test; missing: {missing}"
+
+
+def git(*args: str, cwd: pathlib.Path) -> str:
+    done = subprocess.run(
+        ["git", "-c", "user.email=t@example.invalid", "-c", "user.name=t", *args],
+        cwd=cwd, capture_output=True, text=True, check=True,
+        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(cwd),
+             "GIT_CONFIG_NOSYSTEM": "1"},
+    )
+    return done.stdout
+
+
+def make_repo(path: pathlib.Path) -> pathlib.Path:
+    """A git checkout with a few files and one commit."""
+    path.mkdir(parents=True)
+    git("init", "-q", cwd=path)
+    (path / "README.md").write_text("original readme\n")
+    (path / "src").mkdir()
+    (path / "src" / "main.py").write_text("print('original')\n")
+    (path / "keep").mkdir()
+    (path / "keep" / "data.txt").write_text("data\n")
+    git("add", "-A", cwd=path)
+    git("commit", "-qm", "initial", cwd=path)
+    return path
+
+
+def tree_digest(root: pathlib.Path) -> dict[str, str]:
+    """Every entry below `root` (files by content hash, links by target, dirs by mode)."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            full = os.path.join(dirpath, name)
+            rel = os.path.relpath(full, root)
+            if os.path.islink(full):
+                out[rel] = "link:" + os.readlink(full)
+            elif os.path.isdir(full):
+                out[rel] = f"dir:{os.lstat(full).st_mode:o}"
+            else:
+                with open(full, "rb") as f:
+                    out[rel] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def fake_home(tmp: pathlib.Path, marker: str) -> pathlib.Path:
+    """A $HOME with a planted SSH key carrying `marker`."""
+    home = tmp / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text(f"-----BEGIN KEY-----\n{marker}\n")
+    return home
+
+
+@dataclasses.dataclass
+class Dispatch:
+    """What a dispatch test works with."""
+
+    service: DispatchService
+    manager: SandboxManager
+    worktrees: WorktreeManager
+    repo: pathlib.Path
+    home: pathlib.Path
+    tmp: pathlib.Path
+
+
+@contextlib.asynccontextmanager
+async def open_dispatch(
+    tmp: pathlib.Path,
+    probe_result: ProbeResult,
+    *,
+    environ: Mapping[str, str] | None = None,
+    sandbox_on: bool = True,
+    guardrails: Sequence[Guardrail] = (),
+    github_token_file: str | None = None,
+    marker: str = "CC-DISPATCH-SECRET",
+) -> AsyncIterator[Dispatch]:
+    """A service with a registered repo `r` and the npm agents configured; everything is torn
+    down after, and no mount is left under tmp."""
+    from cc_server.dispatch.credentials import CredentialBroker
+
+    home = fake_home(tmp, marker)
+    repo = make_repo(tmp / "repo")
+    host = dataclasses.replace(HostFacts.current(), home=str(home))
+    manager = SandboxManager(probe_result=probe_result, host=host, sandbox_on=sandbox_on)
+    worktrees = WorktreeManager(base=str(tmp / "worktrees"))
+    modules = os.path.realpath(NPM_MODULES)
+    config = DispatchConfig(
+        state_base=str(tmp / "runs"), claude_path=str(CLAUDE_BIN),
+        acp_agent=(str(ACP_AGENT_BIN),), agent_dirs=(modules,), guardrails=tuple(guardrails),
+    )
+    env: dict[str, Any] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+                           "LANG": "C.UTF-8"}
+    env.update(environ or {})
+    service = DispatchService(
+        manager=manager, worktrees=worktrees,
+        broker=CredentialBroker(github_token_file=github_token_file), config=config,
+        environ=env,
+    )
+    worktrees.register("r", str(repo))
+    try:
+        yield Dispatch(service=service, manager=manager, worktrees=worktrees, repo=repo,
+                       home=home, tmp=tmp)
+    finally:
+        await service.aclose()
+        await manager.aclose()
+        worktrees.remove_all()
+        assert mounted_under(str(tmp)) == []
