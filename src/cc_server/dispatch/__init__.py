@@ -1,6 +1,7 @@
 """Agent dispatch boundaries: the action guardrails, the modes' tool surfaces and command table,
 environment sanitisation, the in-process file tools and the credential broker."""
 
+from cc_server.dispatch.credentials import CredentialBroker, CredentialUnavailable, Grant
 from cc_server.dispatch.env import EnvRefused, looks_secret, sanitized_env
 from cc_server.dispatch.guardrails import (
     Action,
@@ -17,9 +18,12 @@ __all__ = [
     "Action",
     "ActionKind",
     "ActionRefused",
+    "CredentialBroker",
+    "CredentialUnavailable",
     "EnvRefused",
     "FileToolError",
     "FileTools",
+    "Grant",
     "Guardrail",
     "GuardrailChain",
     "SearchMatch",
