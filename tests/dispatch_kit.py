@@ -13,6 +13,7 @@ import hashlib
 import os
 import pathlib
 import subprocess
+import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
@@ -109,6 +110,8 @@ async def open_dispatch(
     guardrails: Sequence[Guardrail] = (),
     github_token_file: str | None = None,
     marker: str = "CC-DISPATCH-SECRET",
+    acp_agent: tuple[str, ...] | None = None,
+    agent_dirs: tuple[str, ...] = (),
 ) -> AsyncIterator[Dispatch]:
     """A service with a registered repo `r` and the npm agents configured; everything is torn
     down after, and no mount is left under tmp."""
@@ -122,16 +125,16 @@ async def open_dispatch(
     modules = os.path.realpath(NPM_MODULES)
     config = DispatchConfig(
         state_base=str(tmp / "runs"), claude_path=str(CLAUDE_BIN),
-        acp_agent=(str(ACP_AGENT_BIN),), agent_dirs=(modules,), guardrails=tuple(guardrails),
+        acp_agent=acp_agent or (str(ACP_AGENT_BIN),), agent_dirs=(modules, *agent_dirs),
+        guardrails=tuple(guardrails),
     )
     env: dict[str, Any] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
                            "LANG": "C.UTF-8"}
     env.update(environ or {})
-    service = DispatchService(
-        manager=manager, worktrees=worktrees,
-        broker=CredentialBroker(github_token_file=github_token_file), config=config,
-        environ=env,
-    )
+    grants = tempfile.mkdtemp(prefix="ccs-", dir="/tmp")  # short: the helper's socket path
+    broker = CredentialBroker(base_dir=grants, github_token_file=github_token_file)
+    service = DispatchService(manager=manager, worktrees=worktrees, broker=broker, config=config,
+                              environ=env)
     worktrees.register("r", str(repo))
     try:
         yield Dispatch(service=service, manager=manager, worktrees=worktrees, repo=repo,
@@ -141,3 +144,79 @@ async def open_dispatch(
         await manager.aclose()
         worktrees.remove_all()
         assert mounted_under(str(tmp)) == []
+        assert os.listdir(grants) == [], "a credential grant outlived its run"
+        os.rmdir(grants)
+
+
+# A small ACP agent written with the SDK, for what the real agent cannot be driven to do offline:
+# each prompt is a JSON list of requests it makes of its client (cc-server), and it answers with
+# one agent message holding what each request returned or the error it got.
+SCRIPTED_AGENT = """
+import asyncio, json
+from acp import PROTOCOL_VERSION, RequestError, run_agent, update_agent_message_text
+from acp.schema import (Implementation, InitializeResponse, NewSessionResponse, PermissionOption,
+                        PromptResponse, ToolCallUpdate)
+
+
+class ScriptedAgent:
+    def on_connect(self, conn):
+        self.conn = conn
+
+    async def initialize(self, protocol_version, client_capabilities=None, client_info=None, **kw):
+        return InitializeResponse(protocol_version=PROTOCOL_VERSION,
+                                  agent_info=Implementation(name="cc-scripted-agent", version="1"))
+
+    async def new_session(self, cwd, mcp_servers=None, **kw):
+        return NewSessionResponse(session_id="scripted-1")
+
+    async def _one(self, sid, op):
+        kind = op["op"]
+        if kind == "read":
+            return (await self.conn.read_text_file(session_id=sid, path=op["path"])).content
+        if kind == "write":
+            await self.conn.write_text_file(session_id=sid, path=op["path"], content=op["content"])
+            return "written"
+        if kind == "permission":
+            options = [PermissionOption(option_id="yes", name="Allow", kind="allow_once"),
+                       PermissionOption(option_id="no", name="Reject", kind="reject_once")]
+            answer = await self.conn.request_permission(
+                session_id=sid, options=options,
+                tool_call=ToolCallUpdate(tool_call_id="t1", kind=op["kind"], title=op["kind"]))
+            return answer.outcome.model_dump(by_alias=True, exclude_none=True)
+        if kind == "terminal":
+            term = await self.conn.create_terminal(session_id=sid, command=op["command"])
+            done = await self.conn.wait_for_terminal_exit(session_id=sid,
+                                                          terminal_id=term.terminal_id)
+            out = await self.conn.terminal_output(session_id=sid, terminal_id=term.terminal_id)
+            await self.conn.release_terminal(session_id=sid, terminal_id=term.terminal_id)
+            return {"exitCode": done.exit_code, "output": out.output}
+        raise ValueError(kind)
+
+    async def prompt(self, session_id, prompt, **kw):
+        results = []
+        for op in json.loads(prompt[0].text):
+            try:
+                results.append({"ok": await self._one(session_id, op)})
+            except RequestError as exc:
+                results.append({"error": {"code": exc.code, "message": str(exc),
+                                          "data": exc.data}})
+        await self.conn.session_update(session_id=session_id,
+                                       update=update_agent_message_text(json.dumps(results)))
+        return PromptResponse(stop_reason="end_turn")
+
+
+asyncio.run(run_agent(ScriptedAgent()))
+"""
+
+
+def scripted_agent(tmp: pathlib.Path) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The scripted agent's argv and the directories it needs bound read-only (this venv's
+    interpreter and site-packages, and the script)."""
+    import sys
+
+    bindir = tmp / "agent"
+    bindir.mkdir()
+    script = bindir / "scripted_agent.py"
+    script.write_text(SCRIPTED_AGENT)
+    dirs = (str(bindir), os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix))
+    return (sys.executable, str(script)), dirs

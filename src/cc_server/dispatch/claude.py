@@ -52,19 +52,27 @@ async def run_claude(
         CcServerError: the sandbox could not start it (nothing ran).
     """
     if run.agent is not AgentKind.CLAUDE:
-        raise BadSpec(f"run {run.run_id} is a {run.agent} run, not a Claude Code run",
-                      fix="open a dispatch with agent 'claude'")
+        raise BadSpec(
+            f"run {run.run_id} is a {run.agent} run, not a Claude Code run",
+            fix="open a dispatch with agent 'claude'",
+        )
     if len(args) > MAX_ARGS or any("\x00" in a for a in args):
         raise BadSpec(f"give at most {MAX_ARGS} arguments without NUL bytes")
     assert run.agent_argv is not None  # open_run refuses an agent that is not configured
     argv = (*run.agent_argv, *args)
-    run.chain.check(Action(kind=ActionKind.BASH, tool="bash", session_id=run.run_id,
-                           mode=run.mode, argv=argv))
+    run.chain.check(
+        Action(kind=ActionKind.BASH, tool="bash", session_id=run.run_id, mode=run.mode, argv=argv)
+    )
     added: dict[str, str] = {}
     if env:
         checked = sanitized_env(run.server_environ, add=dict(env))
         added = {name: checked[name] for name in env}
     return await run_bounded(
-        run.handle, argv, env={**run.env, **added}, cwd=run.worktree.path, stdin=stdin,
-        timeout_s=timeout_s or CLAUDE_TIMEOUT_S, max_output_bytes=max_output_bytes,
+        run.handle,
+        argv,
+        env={**run.env, **added},
+        cwd=run.worktree.path,
+        stdin=stdin,
+        timeout_s=timeout_s or CLAUDE_TIMEOUT_S,
+        max_output_bytes=max_output_bytes,
     )

@@ -92,6 +92,8 @@ class CredentialBrokerPort(Protocol):
 
     def revoke(self, run_id: str) -> None: ...
 
+    def close(self) -> None: ...
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchConfig:
@@ -180,13 +182,24 @@ class DispatchService:
 
     # -- the spec --
 
-    def spec_for(self, run_id: str, worktree: Worktree, *, workspace_id: str, mode: Mode,
-                 capabilities: AgentCapabilities, state_dir: str,
-                 extra_binds: Sequence[SandboxBindMount] = ()) -> SandboxSpec:
+    def spec_for(
+        self,
+        run_id: str,
+        worktree: Worktree,
+        *,
+        workspace_id: str,
+        mode: Mode,
+        capabilities: AgentCapabilities,
+        state_dir: str,
+        extra_binds: Sequence[SandboxBindMount] = (),
+    ) -> SandboxSpec:
         """The standard dispatch spec of a run (see the module docstring)."""
         binds = [SandboxBindMount(host_path=worktree.path)]
-        binds += [SandboxBindMount(host_path=d, read_only=True) for d in self.config.agent_dirs
-                  if d != worktree.path]
+        binds += [
+            SandboxBindMount(host_path=d, read_only=True)
+            for d in self.config.agent_dirs
+            if d != worktree.path
+        ]
         binds += list(extra_binds)
         return SandboxSpec(
             session_id=run_id,
@@ -208,8 +221,11 @@ class DispatchService:
         plan where egress applies. `inherit_host` is the one exception the reference page names:
         Claude Code through NoSandboxAdapter inherits the host environment.
         """
-        add = {"HOME": state_dir, "CLAUDE_CONFIG_DIR": os.path.join(state_dir, ".claude"),
-               **grant.env}
+        add = {
+            "HOME": state_dir,
+            "CLAUDE_CONFIG_DIR": os.path.join(state_dir, ".claude"),
+            **grant.env,
+        }
         if inherit_host:
             return {**self.environ, **add}
         return sanitized_env(self.environ, add=add)
@@ -240,8 +256,10 @@ class DispatchService:
         worktree = self.worktrees.get(worktree_id)
         argv = self.config.agent_argv(agent)
         if agent is not AgentKind.HARNESS and argv is None:
-            raise BadSpec(f"no {agent} agent is configured on this server",
-                          fix="set CC_SERVER_CLAUDE_PATH or CC_SERVER_ACP_AGENT and restart")
+            raise BadSpec(
+                f"no {agent} agent is configured on this server",
+                fix="set CC_SERVER_CLAUDE_PATH or CC_SERVER_ACP_AGENT and restart",
+            )
         run_id = f"run-{secrets.token_hex(8)}"
         state_dir = os.path.join(self.config.state_base, run_id)
         os.mkdir(state_dir, 0o700)
@@ -250,12 +268,24 @@ class DispatchService:
         grant: Grant | None = None
         handle: SandboxHandle | None = None
         try:
-            base_spec = self.spec_for(run_id, worktree, workspace_id=workspace_id, mode=mode,
-                                      capabilities=caps, state_dir=state_dir)
+            base_spec = self.spec_for(
+                run_id,
+                worktree,
+                workspace_id=workspace_id,
+                mode=mode,
+                capabilities=caps,
+                state_dir=state_dir,
+            )
             grant = self.broker.grant(base_spec, run_id)
-            spec = self.spec_for(run_id, worktree, workspace_id=workspace_id, mode=mode,
-                                 capabilities=caps, state_dir=state_dir,
-                                 extra_binds=grant.bind_mounts)
+            spec = self.spec_for(
+                run_id,
+                worktree,
+                workspace_id=workspace_id,
+                mode=mode,
+                capabilities=caps,
+                state_dir=state_dir,
+                extra_binds=grant.bind_mounts,
+            )
             # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
             # so a server shutdown destroys it with the rest.
             port = self.manager.choose(None)
@@ -263,17 +293,27 @@ class DispatchService:
             self.manager.handles[run_id] = handle
             chain = standard_chain(handle.policy, extra=self.config.guardrails)
             if argv is not None:
-                chain.check(Action(kind=ActionKind.BASH, tool="bash", session_id=run_id,
-                                   mode=mode, argv=argv))
+                chain.check(
+                    Action(
+                        kind=ActionKind.BASH, tool="bash", session_id=run_id, mode=mode, argv=argv
+                    )
+                )
             inherit = agent is AgentKind.CLAUDE and handle.backend is SandboxBackend.NONE
             env = self.agent_env(state_dir, grant, inherit_host=inherit)
             harness_env = self.agent_env(state_dir, grant, inherit_host=False)
             run = DispatchRun(
-                run_id=run_id, agent=agent, worktree=worktree, spec=spec, handle=handle,
-                chain=chain, tools=FileTools(handle.policy, chain),
-                harness=HarnessBash(handle, chain, mode=mode, env=harness_env,
-                                    cwd=worktree.path),
-                grant=grant, env=env, state_dir=state_dir, agent_argv=argv,
+                run_id=run_id,
+                agent=agent,
+                worktree=worktree,
+                spec=spec,
+                handle=handle,
+                chain=chain,
+                tools=FileTools(handle.policy, chain),
+                harness=HarnessBash(handle, chain, mode=mode, env=harness_env, cwd=worktree.path),
+                grant=grant,
+                env=env,
+                state_dir=state_dir,
+                agent_argv=argv,
                 server_environ=self.environ,
             )
         except BaseException:
@@ -317,4 +357,5 @@ class DispatchService:
         for run_id in list(self.runs):
             with contextlib.suppress(Exception):
                 await self.close_run(run_id)
+        self.broker.close()
         self.worktrees.close()

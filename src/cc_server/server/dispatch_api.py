@@ -1,0 +1,458 @@
+"""The dispatch API: repositories, worktrees, dispatch runs and their tools.
+
+Routes (JSON, camelCase, bearer token like the rest):
+
+- `POST /v1/repos` {repoId, path} registers a checkout; `GET /v1/repos` lists them.
+- `POST /v1/worktrees` {repoId, conversationId} makes the conversation's worktree; `GET
+  /v1/worktrees`, `GET /v1/worktrees/{id}`, `DELETE /v1/worktrees/{id}` (nothing is left).
+- `POST /v1/dispatches` {worktreeId, agent, mode?, capabilities?, workspaceId?} opens a run: its
+  sandbox, its guardrail chain, and for `acp` the agent's initialize and session/new. The answer
+  carries the run's actual backend (its badge). `GET`, `DELETE /v1/dispatches/{id}` (teardown:
+  agent, sandbox, proxies, credential grant, state).
+- `POST /v1/dispatches/{id}/claude` {args, stdin?, timeoutS?} runs the Claude Code CLI (seam 1).
+- `POST /v1/dispatches/{id}/bash` {command, timeoutS?, maxOutputBytes?} the harness bash tool.
+- `POST /v1/dispatches/{id}/tools/{tool}` the in-process file tools (read, write, edit,
+  apply_patch, search, find, search_files).
+- `POST /v1/dispatches/{id}/acp/prompt` {text} one prompt to the ACP agent.
+
+A refused action answers 403 with the guardrail's message; a dispatch the host cannot enforce
+(Linux native without create-time rules) answers 409 BackendUnavailable with the reason.
+
+The operator configures dispatch through the server's environment (paths only, never secrets):
+`CC_SERVER_CLAUDE_PATH`, `CC_SERVER_ACP_AGENT` (a command line), `CC_SERVER_AGENT_DIRS`
+(':'-separated read-only binds the agents need; by default the `node_modules` tree or directory
+of each agent program), `CC_SERVER_DISPATCH_DIR` (worktrees and run state; by default
+`$XDG_STATE_HOME/cc-server` or `~/.local/state/cc-server`) and `CC_SERVER_GITHUB_TOKEN_FILE`
+(the credential broker's GitHub token).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+from collections.abc import Mapping
+from typing import Any, Final
+
+import msgspec
+from aiohttp import web
+
+from cc_server.dispatch.acp import start_acp
+from cc_server.dispatch.claude import run_claude
+from cc_server.dispatch.credentials import CredentialBroker
+from cc_server.dispatch.guardrails import ActionRefused
+from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
+from cc_server.dispatch.worktrees import WorktreeManager
+from cc_server.errors import BadSpec, CcServerError
+from cc_server.policy import AgentCapabilities, Mode
+from cc_server.runtime.egress import egress_base_dir
+from cc_server.runtime.port import SandboxManager
+from cc_server.server.api import error_response, status_for
+from cc_server.server.logs import log_event
+
+__all__ = [
+    "DISPATCH",
+    "REFUSED_STATUS",
+    "config_from_env",
+    "install_dispatch",
+    "routes",
+]
+
+REFUSED_STATUS: Final = 403  # a guardrail refused the action: the same request stays refused
+MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a file write through the tools API
+
+routes = web.RouteTableDef()
+DISPATCH: Final = web.AppKey("cc_server_dispatch", DispatchService)
+
+
+class _Body(msgspec.Struct, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class RegisterRepo(_Body):
+    repo_id: str  # the repository's id (letters, digits, '.', '_', '-')
+    path: str  # absolute path of the checkout on the server's host
+
+
+class CreateWorktree(_Body):
+    repo_id: str  # a registered repository
+    conversation_id: str  # the conversation the worktree belongs to
+
+
+class OpenDispatch(_Body):
+    worktree_id: str  # the conversation's worktree
+    agent: AgentKind = AgentKind.HARNESS  # claude, acp, or harness (tools only)
+    mode: Mode = Mode.CHAT  # carves the write rules and the tool surface
+    capabilities: AgentCapabilities | None = None  # None: safeDefault
+    workspace_id: str = "default"  # the owning workspace
+
+
+class ClaudeRequest(_Body):
+    args: list[str]  # arguments after the CLI's path (`["--version"]`, `["-p", "hi"]`)
+    stdin: str | None = None
+    timeout_s: float | None = None
+    max_output_bytes: int | None = None
+
+
+class BashRequest(_Body):
+    command: str | list[str]  # a shell string (bash -c) or an argv
+    timeout_s: float | None = None
+    max_output_bytes: int | None = None
+
+
+class ToolRequest(_Body):
+    path: str | None = None  # guest path (absolute, or relative to the worktree)
+    content: str | None = None  # write
+    old: str | None = None  # edit
+    new: str | None = None  # edit
+    count: int = 1  # edit
+    offset: int = 0  # read: first line (0-based)
+    limit: int | None = None  # read: at most this many lines
+    patch: str | None = None  # apply_patch
+    pattern: str | None = None  # search
+    glob: str | None = None  # find
+    query: str | None = None  # search_files
+
+
+class PromptRequest(_Body):
+    text: str
+
+
+# --- configuration -------------------------------------------------------------------------------
+
+
+def _default_agent_dirs(argv: tuple[str, ...]) -> list[str]:
+    """The directories an agent command needs read-only: for every absolute word that exists,
+    its `node_modules` tree when it lives in one (a package's imports), else its directory."""
+    dirs: list[str] = []
+    for word in argv:
+        if not os.path.isabs(word) or not os.path.exists(word):
+            continue
+        for path in dict.fromkeys((os.path.abspath(word), os.path.realpath(word))):
+            marker = "/node_modules/"
+            root = path[: path.index(marker) + len(marker) - 1] if marker in path \
+                else os.path.dirname(path)
+            if root not in dirs and not any(root.startswith(d + "/") for d in dirs):
+                dirs.append(root)
+    return dirs
+
+
+def config_from_env(environ: Mapping[str, str]) -> tuple[DispatchConfig, str, str | None]:
+    """The dispatch config, the worktree directory and the GitHub token file, from the server's
+    environment.
+
+    Raises:
+        BadSpec: a configured path is not absolute or the agent command does not parse.
+    """
+    claude = environ.get("CC_SERVER_CLAUDE_PATH") or None
+    if claude is not None and not os.path.isabs(claude):
+        raise BadSpec(f"CC_SERVER_CLAUDE_PATH must be absolute, got {claude!r}")
+    acp_line = environ.get("CC_SERVER_ACP_AGENT") or None
+    try:
+        acp_argv = tuple(shlex.split(acp_line)) if acp_line else None
+    except ValueError as exc:
+        raise BadSpec(f"CC_SERVER_ACP_AGENT does not parse: {exc}") from None
+    state_home = environ.get("XDG_STATE_HOME") or os.path.join(
+        environ.get("HOME") or os.path.expanduser("~"), ".local", "state")
+    base = environ.get("CC_SERVER_DISPATCH_DIR") or os.path.join(state_home, "cc-server")
+    if not os.path.isabs(base):
+        raise BadSpec(f"CC_SERVER_DISPATCH_DIR must be absolute, got {base!r}")
+    explicit = [d for d in (environ.get("CC_SERVER_AGENT_DIRS") or "").split(":") if d]
+    agent_dirs = explicit or [
+        *(_default_agent_dirs((claude,)) if claude else []),
+        *(_default_agent_dirs(acp_argv) if acp_argv else []),
+    ]
+    token_file = environ.get("CC_SERVER_GITHUB_TOKEN_FILE") or None
+    config = DispatchConfig(
+        state_base=os.path.join(base, "runs"), claude_path=claude, acp_agent=acp_argv,
+        agent_dirs=tuple(dict.fromkeys(os.path.realpath(d) for d in agent_dirs)),
+    )
+    return config, os.path.join(base, "worktrees"), token_file
+
+
+def install_dispatch(app: web.Application, manager: SandboxManager,
+                     environ: Mapping[str, str] = os.environ) -> DispatchService:
+    """Build the dispatch service from the environment, add its routes, and close it with the
+    app.
+
+    Raises:
+        BadSpec: the dispatch configuration is wrong.
+        EnforcementFailed: the dispatch directory is not private.
+        BackendUnavailable: no way to make worktrees here.
+    """
+    config, worktree_dir, token_file = config_from_env(environ)
+    os.makedirs(os.path.dirname(worktree_dir), mode=0o700, exist_ok=True)
+    worktrees = WorktreeManager(base=worktree_dir)
+    service = DispatchService(
+        manager=manager, worktrees=worktrees,
+        broker=CredentialBroker(base_dir=egress_base_dir(), github_token_file=token_file),
+        config=config,
+        environ=environ,
+    )
+    if worktrees.choice is not None:
+        log_event("dispatch", worktrees.choice.describe(), strategy=str(worktrees.strategy))
+    app[DISPATCH] = service
+    app.router.add_routes(routes)
+
+    async def _close(_app: web.Application) -> None:
+        await service.aclose()
+
+    app.on_cleanup.append(_close)
+    return service
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+class _Answer(Exception):
+    def __init__(self, response: web.Response) -> None:
+        self.response = response
+
+
+def _fail(exc: CcServerError) -> _Answer:
+    if isinstance(exc, ActionRefused):
+        body = {"error": "ActionRefused", "message": exc.message, "fix": exc.fix,
+                "guardrail": exc.guardrail}
+        return _Answer(web.json_response(body, status=REFUSED_STATUS))
+    return _Answer(error_response(status_for(exc), type(exc).__name__, exc.message, exc.fix))
+
+
+def _not_found(what: str, key: str) -> _Answer:
+    return _Answer(error_response(404, "NotFound", f"no {what} {key!r}"))
+
+
+async def _body(request: web.Request, kind: type[Any]) -> Any:
+    data = await request.content.read(MAX_BODY_BYTES + 1)
+    if len(data) > MAX_BODY_BYTES:
+        raise _Answer(error_response(413, "TooLarge", f"the body is over {MAX_BODY_BYTES} bytes"))
+    try:
+        return msgspec.json.decode(data, type=kind)
+    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+        raise _Answer(error_response(400, "BadRequest", f"invalid {kind.__name__}: {exc}",
+                                     "see /openapi.json for the body's schema")) from None
+
+
+def _service(request: web.Request) -> DispatchService:
+    return request.app[DISPATCH]
+
+
+def _handler(func: Any) -> Any:
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            result: web.StreamResponse = await func(request)
+        except _Answer as answer:
+            return answer.response
+        except CcServerError as exc:
+            log_event("dispatch.refused", exc.message, level=logging.WARNING,
+                      path=request.path, error=type(exc).__name__)
+            return _fail(exc).response
+        return result
+
+    wrapped.__name__ = func.__name__
+    wrapped.__doc__ = func.__doc__
+    return wrapped
+
+
+# --- repositories and worktrees ------------------------------------------------------------------
+
+
+@routes.post("/v1/repos")
+@_handler
+async def register_repo(request: web.Request) -> web.StreamResponse:
+    """Register a checkout."""
+    body: RegisterRepo = await _body(request, RegisterRepo)
+    repo = _service(request).worktrees.register(body.repo_id, body.path)
+    return web.json_response(repo.to_json(), status=201)
+
+
+@routes.get("/v1/repos")
+@_handler
+async def list_repos(request: web.Request) -> web.StreamResponse:
+    """Every registered checkout."""
+    repos = _service(request).worktrees.repos.values()
+    return web.json_response({"repos": [r.to_json() for r in repos]})
+
+
+@routes.post("/v1/worktrees")
+@_handler
+async def create_worktree(request: web.Request) -> web.StreamResponse:
+    """Make a conversation's worktree."""
+    body: CreateWorktree = await _body(request, CreateWorktree)
+    wt = _service(request).worktrees.create(body.repo_id, body.conversation_id)
+    log_event("worktree.created", f"worktree {wt.worktree_id} ({wt.strategy})",
+              worktreeId=wt.worktree_id, strategy=str(wt.strategy))
+    return web.json_response(wt.to_json(), status=201,
+                             headers={"Location": f"/v1/worktrees/{wt.worktree_id}"})
+
+
+@routes.get("/v1/worktrees")
+@_handler
+async def list_worktrees(request: web.Request) -> web.StreamResponse:
+    """Every worktree."""
+    return web.json_response({"worktrees": [w.to_json() for w in
+                                            _service(request).worktrees.list()]})
+
+
+@routes.get("/v1/worktrees/{id}")
+@_handler
+async def get_worktree(request: web.Request) -> web.StreamResponse:
+    """One worktree."""
+    key = request.match_info["id"]
+    wt = _service(request).worktrees.worktrees.get(key)
+    if wt is None:
+        raise _not_found("worktree", key)
+    return web.json_response(wt.to_json())
+
+
+@routes.delete("/v1/worktrees/{id}")
+@_handler
+async def remove_worktree(request: web.Request) -> web.StreamResponse:
+    """Remove a worktree (idempotent); refused while a live run uses it."""
+    service = _service(request)
+    key = request.match_info["id"]
+    users = [r.run_id for r in service.runs.values() if r.worktree.worktree_id == key]
+    if users:
+        raise _Answer(error_response(409, "Conflict", f"worktree {key!r} is used by {users}",
+                                     "close those dispatch runs first"))
+    if service.worktrees.remove(key):
+        log_event("worktree.removed", f"worktree {key} removed", worktreeId=key)
+    return web.Response(status=204)
+
+
+# --- dispatch runs -------------------------------------------------------------------------------
+
+
+@routes.post("/v1/dispatches")
+@_handler
+async def open_dispatch(request: web.Request) -> web.StreamResponse:
+    """Open a run (and, for `acp`, complete the agent's handshake)."""
+    service = _service(request)
+    body: OpenDispatch = await _body(request, OpenDispatch)
+    if body.worktree_id not in service.worktrees.worktrees:
+        raise _not_found("worktree", body.worktree_id)
+    run = await service.open_run(worktree_id=body.worktree_id, agent=body.agent, mode=body.mode,
+                                 capabilities=body.capabilities, workspace_id=body.workspace_id)
+    if run.agent is AgentKind.ACP:
+        try:
+            await start_acp(run)
+        except BaseException:
+            await service.close_run(run.run_id)
+            raise
+    log_event("dispatch.opened", f"run {run.run_id} ({run.agent}, {run.backend})",
+              runId=run.run_id, agent=str(run.agent), backend=str(run.backend))
+    return web.json_response(_run_json(run), status=201,
+                             headers={"Location": f"/v1/dispatches/{run.run_id}"})
+
+
+def _run_json(run: Any) -> dict[str, Any]:
+    out: dict[str, Any] = run.to_json()
+    if run.acp is not None:
+        out["acp"] = run.acp.to_json()
+    return out
+
+
+def _run(request: web.Request) -> Any:
+    key = request.match_info["id"]
+    run = _service(request).runs.get(key)
+    if run is None:
+        raise _not_found("dispatch run", key)
+    return run
+
+
+@routes.get("/v1/dispatches")
+@_handler
+async def list_dispatches(request: web.Request) -> web.StreamResponse:
+    """Every live run."""
+    return web.json_response({"dispatches": [_run_json(r) for r in
+                                             _service(request).runs.values()]})
+
+
+@routes.get("/v1/dispatches/{id}")
+@_handler
+async def get_dispatch(request: web.Request) -> web.StreamResponse:
+    """One run: backend, state, violations, ACP exchanges."""
+    return web.json_response(_run_json(_run(request)))
+
+
+@routes.delete("/v1/dispatches/{id}")
+@_handler
+async def close_dispatch(request: web.Request) -> web.StreamResponse:
+    """Tear a run down (idempotent)."""
+    key = request.match_info["id"]
+    if await _service(request).close_run(key):
+        log_event("dispatch.closed", f"run {key} closed", runId=key)
+    return web.Response(status=204)
+
+
+@routes.post("/v1/dispatches/{id}/claude")
+@_handler
+async def claude(request: web.Request) -> web.StreamResponse:
+    """Run the Claude Code CLI in the run's sandbox."""
+    run = _run(request)
+    body: ClaudeRequest = await _body(request, ClaudeRequest)
+    result = await run_claude(run, body.args,
+                              stdin=None if body.stdin is None else body.stdin.encode(),
+                              timeout_s=body.timeout_s, max_output_bytes=body.max_output_bytes)
+    return web.json_response({**result.to_json(), "backend": str(run.backend)})
+
+
+@routes.post("/v1/dispatches/{id}/bash")
+@_handler
+async def bash(request: web.Request) -> web.StreamResponse:
+    """The harness bash tool."""
+    run = _run(request)
+    body: BashRequest = await _body(request, BashRequest)
+    result = await run.harness.run(body.command, timeout_s=body.timeout_s,
+                                   max_output_bytes=body.max_output_bytes)
+    return web.json_response({**result.to_json(), "backend": str(run.backend)})
+
+
+def _need(value: Any, name: str, tool: str) -> Any:
+    if value is None:
+        raise BadSpec(f"the {tool} tool needs {name!r}")
+    return value
+
+
+@routes.post("/v1/dispatches/{id}/tools/{tool}")
+@_handler
+async def file_tool(request: web.Request) -> web.StreamResponse:
+    """One in-process file tool call."""
+    run = _run(request)
+    tool = request.match_info["tool"]
+    b: ToolRequest = await _body(request, ToolRequest)
+    tools = run.tools
+    result: Any
+    if tool == "read":
+        result = {"content": tools.read(_need(b.path, "path", tool), offset=b.offset,
+                                        limit=b.limit)}
+    elif tool == "write":
+        tools.write(_need(b.path, "path", tool), _need(b.content, "content", tool))
+        result = {"ok": True}
+    elif tool == "edit":
+        tools.edit(_need(b.path, "path", tool), _need(b.old, "old", tool),
+                   _need(b.new, "new", tool), count=b.count)
+        result = {"ok": True}
+    elif tool == "apply_patch":
+        result = {"files": tools.apply_patch(_need(b.patch, "patch", tool))}
+    elif tool == "search":
+        matches = tools.search(_need(b.pattern, "pattern", tool), b.path)
+        result = {"matches": [msgspec.to_builtins(m) for m in matches]}
+    elif tool == "find":
+        result = {"paths": tools.find(_need(b.glob, "glob", tool), b.path)}
+    elif tool == "search_files":
+        result = {"paths": tools.search_files(_need(b.query, "query", tool), b.path)}
+    else:
+        raise _not_found("tool", tool)
+    return web.json_response(result)
+
+
+@routes.post("/v1/dispatches/{id}/acp/prompt")
+@_handler
+async def acp_prompt(request: web.Request) -> web.StreamResponse:
+    """One prompt to the run's ACP agent."""
+    run = _run(request)
+    body: PromptRequest = await _body(request, PromptRequest)
+    if run.acp is None:
+        raise BadSpec(f"run {run.run_id} has no ACP agent", fix="open it with agent 'acp'")
+    return web.json_response({"response": await run.acp.prompt(body.text),
+                              "acp": run.acp.to_json()})
