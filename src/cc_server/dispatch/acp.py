@@ -177,26 +177,36 @@ class CcAcpClient:
 
     # -- file system --
 
-    async def read_text_file(self, session_id: str, path: str, line: int | None = None,
-                             limit: int | None = None, **_: Any) -> ReadTextFileResponse:
+    async def read_text_file(
+        self,
+        session_id: str,
+        path: str,
+        line: int | None = None,
+        limit: int | None = None,
+        **_: Any,
+    ) -> ReadTextFileResponse:
         offset = max(0, (line or 1) - 1)
         try:
-            content = self.run.tools.read(path, offset=offset, limit=limit,
-                                          kind=ActionKind.ACP_READ)
+            content = self.run.tools.read(
+                path, offset=offset, limit=limit, kind=ActionKind.ACP_READ
+            )
         except CcServerError as exc:
-            self.file_requests.append({"method": "fs/read_text_file", "path": path,
-                                       "refused": exc.message})
+            self.file_requests.append(
+                {"method": "fs/read_text_file", "path": path, "refused": exc.message}
+            )
             raise _refused(exc) from None
         self.file_requests.append({"method": "fs/read_text_file", "path": path, "refused": None})
         return ReadTextFileResponse(content=content)
 
-    async def write_text_file(self, session_id: str, path: str, content: str,
-                              **_: Any) -> WriteTextFileResponse | None:
+    async def write_text_file(
+        self, session_id: str, path: str, content: str, **_: Any
+    ) -> WriteTextFileResponse | None:
         try:
             self.run.tools.write(path, content, kind=ActionKind.ACP_WRITE)
         except CcServerError as exc:
-            self.file_requests.append({"method": "fs/write_text_file", "path": path,
-                                       "refused": exc.message})
+            self.file_requests.append(
+                {"method": "fs/write_text_file", "path": path, "refused": exc.message}
+            )
             raise _refused(exc) from None
         self.file_requests.append({"method": "fs/write_text_file", "path": path, "refused": None})
         return WriteTextFileResponse()
@@ -215,15 +225,22 @@ class CcAcpClient:
             return True, f"{self.run.mode} mode exposes the {tool or kind} tool"
         return False, f"{self.run.mode} mode does not expose the {tool!r} tool"
 
-    async def request_permission(self, session_id: str, tool_call: ToolCallUpdate,
-                                 options: list[PermissionOption],
-                                 **_: Any) -> RequestPermissionResponse:
+    async def request_permission(
+        self, session_id: str, tool_call: ToolCallUpdate, options: list[PermissionOption], **_: Any
+    ) -> RequestPermissionResponse:
         allowed, why = self.decide(tool_call.kind)
         wanted = ("allow_once", "allow_always") if allowed else ("reject_once", "reject_always")
         chosen = next((o for o in options if o.kind in wanted), None)
-        self.permissions.append({"toolCallId": tool_call.tool_call_id, "kind": tool_call.kind,
-                                 "title": tool_call.title, "allowed": allowed, "reason": why,
-                                 "optionId": None if chosen is None else chosen.option_id})
+        self.permissions.append(
+            {
+                "toolCallId": tool_call.tool_call_id,
+                "kind": tool_call.kind,
+                "title": tool_call.title,
+                "allowed": allowed,
+                "reason": why,
+                "optionId": None if chosen is None else chosen.option_id,
+            }
+        )
         if chosen is None:  # no option says what the policy decided: cancel, never allow
             return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
         return RequestPermissionResponse(
@@ -233,21 +250,31 @@ class CcAcpClient:
     # -- updates --
 
     async def session_update(self, session_id: str, update: Any, **_: Any) -> None:
-        dump = update.model_dump(mode="json", by_alias=True, exclude_none=True) \
-            if hasattr(update, "model_dump") else update
+        dump = (
+            update.model_dump(mode="json", by_alias=True, exclude_none=True)
+            if hasattr(update, "model_dump")
+            else update
+        )
         self.updates.append(dump)
 
     # -- terminals (the harness bash tool) --
 
-    async def create_terminal(self, session_id: str, command: str, args: list[str] | None = None,
-                              env: list[EnvVariable] | None = None, cwd: str | None = None,
-                              output_byte_limit: int | None = None,
-                              **_: Any) -> CreateTerminalResponse:
+    async def create_terminal(
+        self,
+        session_id: str,
+        command: str,
+        args: list[str] | None = None,
+        env: list[EnvVariable] | None = None,
+        cwd: str | None = None,
+        output_byte_limit: int | None = None,
+        **_: Any,
+    ) -> CreateTerminalResponse:
         argv = (command, *args) if args else shell_argv(command)
         try:
             extra = sanitized_env({v.name: v.value for v in env or ()})
-            terminal = await self.run.harness.start(argv, env=extra, cwd=cwd,
-                                                    output_limit=output_byte_limit)
+            terminal = await self.run.harness.start(
+                argv, env=extra, cwd=cwd, output_limit=output_byte_limit
+            )
         except CcServerError as exc:
             raise _refused(exc) from None
         return CreateTerminalResponse(terminal_id=terminal.terminal_id)
@@ -256,37 +283,46 @@ class CcAcpClient:
         try:
             return self.run.harness.terminal(terminal_id)
         except BadSpec as exc:
-            raise RequestError.invalid_params({"terminalId": terminal_id,
-                                               "message": exc.message}) from None
+            raise RequestError.invalid_params(
+                {"terminalId": terminal_id, "message": exc.message}
+            ) from None
 
     @staticmethod
     def _exit(terminal: Any) -> TerminalExitStatus | None:
         if not terminal.done:
             return None
-        return TerminalExitStatus(exit_code=terminal.exit_code,
-                                  signal="SIGKILL" if terminal.killed else None)
+        return TerminalExitStatus(
+            exit_code=terminal.exit_code, signal="SIGKILL" if terminal.killed else None
+        )
 
-    async def terminal_output(self, session_id: str, terminal_id: str,
-                              **_: Any) -> TerminalOutputResponse:
+    async def terminal_output(
+        self, session_id: str, terminal_id: str, **_: Any
+    ) -> TerminalOutputResponse:
         terminal = self._terminal(terminal_id)
-        return TerminalOutputResponse(output=terminal.output.text(),
-                                      truncated=terminal.output.truncated,
-                                      exit_status=self._exit(terminal))
+        return TerminalOutputResponse(
+            output=terminal.output.text(),
+            truncated=terminal.output.truncated,
+            exit_status=self._exit(terminal),
+        )
 
-    async def wait_for_terminal_exit(self, session_id: str, terminal_id: str,
-                                     **_: Any) -> WaitForTerminalExitResponse:
+    async def wait_for_terminal_exit(
+        self, session_id: str, terminal_id: str, **_: Any
+    ) -> WaitForTerminalExitResponse:
         terminal = self._terminal(terminal_id)
         code = await terminal.wait()
-        return WaitForTerminalExitResponse(exit_code=code,
-                                           signal="SIGKILL" if terminal.killed else None)
+        return WaitForTerminalExitResponse(
+            exit_code=code, signal="SIGKILL" if terminal.killed else None
+        )
 
-    async def kill_terminal(self, session_id: str, terminal_id: str,
-                            **_: Any) -> KillTerminalResponse | None:
+    async def kill_terminal(
+        self, session_id: str, terminal_id: str, **_: Any
+    ) -> KillTerminalResponse | None:
         await self._terminal(terminal_id).kill()
         return KillTerminalResponse()
 
-    async def release_terminal(self, session_id: str, terminal_id: str,
-                               **_: Any) -> ReleaseTerminalResponse | None:
+    async def release_terminal(
+        self, session_id: str, terminal_id: str, **_: Any
+    ) -> ReleaseTerminalResponse | None:
         await self.run.harness.release(terminal_id)
         return ReleaseTerminalResponse()
 
@@ -324,18 +360,21 @@ class AcpSession:
                 )
                 self.protocol_version = init.protocol_version
                 info = getattr(init, "agent_info", None)
-                self.agent_info = None if info is None else info.model_dump(
-                    mode="json", by_alias=True, exclude_none=True)
-                session = await self.connection.new_session(cwd=self.run.worktree.path,
-                                                            mcp_servers=[])
+                self.agent_info = (
+                    None
+                    if info is None
+                    else info.model_dump(mode="json", by_alias=True, exclude_none=True)
+                )
+                session = await self.connection.new_session(
+                    cwd=self.run.worktree.path, mcp_servers=[]
+                )
                 self.session_id = session.session_id
         except (TimeoutError, RequestError, ConnectionError, OSError) as exc:
             raise EnforcementFailed(
                 "the ACP agent did not complete initialize and session/new: "
                 f"{type(exc).__name__}: {exc}; "
                 f"its stderr: {self.transport.stderr_text()[-2000:]!r}",
-                fix="check the agent command (CC_SERVER_ACP_AGENT) and that it speaks ACP on "
-                "stdio",
+                fix="check the agent command (CC_SERVER_ACP_AGENT) and that it speaks ACP on stdio",
             ) from exc
 
     def to_json(self) -> dict[str, Any]:
@@ -360,12 +399,12 @@ class AcpSession:
         if self.session_id is None:
             raise EnforcementFailed("the ACP session was not created")
         try:
-            response = await self.connection.prompt(session_id=self.session_id,
-                                                    prompt=[text_block(text)])
+            response = await self.connection.prompt(
+                session_id=self.session_id, prompt=[text_block(text)]
+            )
         except (RequestError, ConnectionError) as exc:
             raise EnforcementFailed(f"the ACP agent failed the prompt: {exc}") from exc
-        dumped: dict[str, Any] = response.model_dump(mode="json", by_alias=True,
-                                                     exclude_none=True)
+        dumped: dict[str, Any] = response.model_dump(mode="json", by_alias=True, exclude_none=True)
         return dumped
 
     async def aclose(self) -> None:
@@ -390,8 +429,9 @@ async def start_acp(run: DispatchRun) -> AcpSession:
     """
     if run.agent_argv is None:
         raise BadSpec("this run has no ACP agent command")
-    execution = run.handle.exec(run.agent_argv, env=run.env, cwd=run.worktree.path,
-                                interactive_stdin=True)
+    execution = run.handle.exec(
+        run.agent_argv, env=run.env, cwd=run.worktree.path, interactive_stdin=True
+    )
     await execution.__aenter__()
     session = AcpSession(run, execution)
     run.acp = session

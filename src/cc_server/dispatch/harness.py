@@ -119,8 +119,12 @@ class BashResult:
         }
 
 
-async def _drain(execution: Execution, out: BoundedOutput, err: BoundedOutput | None,
-                 violations: list[SandboxViolation]) -> tuple[int, str | None]:
+async def _drain(
+    execution: Execution,
+    out: BoundedOutput,
+    err: BoundedOutput | None,
+    violations: list[SandboxViolation],
+) -> tuple[int, str | None]:
     code, killed = -1, None
     async for event in execution:
         if event.type is EventType.STDOUT and event.data:
@@ -156,13 +160,18 @@ async def run_bounded(
     timeout, limit = _check_limits(timeout_s, max_output_bytes)
     out, err = BoundedOutput(limit), BoundedOutput(limit)
     violations: list[SandboxViolation] = []
-    async with handle.exec(tuple(argv), env=dict(env), cwd=cwd, stdin=stdin,
-                           timeout_s=timeout) as execution:
+    async with handle.exec(
+        tuple(argv), env=dict(env), cwd=cwd, stdin=stdin, timeout_s=timeout
+    ) as execution:
         code, killed = await _drain(execution, out, err, violations)
     return BashResult(
-        exit_code=code, stdout=out.text(), stderr=err.text(),
-        stdout_truncated=out.truncated, stderr_truncated=err.truncated,
-        killed=killed, violations=tuple(violations),
+        exit_code=code,
+        stdout=out.text(),
+        stderr=err.text(),
+        stdout_truncated=out.truncated,
+        stderr_truncated=err.truncated,
+        killed=killed,
+        violations=tuple(violations),
     )
 
 
@@ -231,8 +240,11 @@ class HarnessBash:
         self.terminals: dict[str, Terminal] = {}
 
     def _check(self, argv: tuple[str, ...], kind: ActionKind) -> None:
-        self.chain.check(Action(kind=kind, tool="bash", session_id=self.handle.session_id,
-                                mode=self.mode, argv=argv))
+        self.chain.check(
+            Action(
+                kind=kind, tool="bash", session_id=self.handle.session_id, mode=self.mode, argv=argv
+            )
+        )
 
     async def run(
         self,
@@ -252,8 +264,15 @@ class HarnessBash:
         argv = shell_argv(command)
         timeout, limit = _check_limits(timeout_s, max_output_bytes)
         self._check(argv, ActionKind.BASH)
-        return await run_bounded(self.handle, argv, env=self.env, cwd=self.cwd, stdin=stdin,
-                                 timeout_s=timeout, max_output_bytes=limit)
+        return await run_bounded(
+            self.handle,
+            argv,
+            env=self.env,
+            cwd=self.cwd,
+            stdin=stdin,
+            timeout_s=timeout,
+            max_output_bytes=limit,
+        )
 
     async def start(
         self,
@@ -275,10 +294,13 @@ class HarnessBash:
         timeout, limit = _check_limits(timeout_s or MAX_TIMEOUT_S, output_limit)
         self._check(words, ActionKind.ACP_TERMINAL)
         if len(self.terminals) >= MAX_TERMINALS:
-            raise BadSpec(f"this run already has {MAX_TERMINALS} terminals",
-                          fix="release one (terminal/release) first")
-        execution = self.handle.exec(words, env={**self.env, **(env or {})},
-                                     cwd=cwd or self.cwd, timeout_s=timeout)
+            raise BadSpec(
+                f"this run already has {MAX_TERMINALS} terminals",
+                fix="release one (terminal/release) first",
+            )
+        execution = self.handle.exec(
+            words, env={**self.env, **(env or {})}, cwd=cwd or self.cwd, timeout_s=timeout
+        )
         await execution.__aenter__()
         terminal = Terminal(f"term-{secrets.token_hex(6)}", execution, limit)
         # Owned by this harness: `aclose` (or `release`) kills the command and awaits the task.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 import secrets
@@ -268,24 +269,12 @@ class DispatchService:
         grant: Grant | None = None
         handle: SandboxHandle | None = None
         try:
-            base_spec = self.spec_for(
-                run_id,
-                worktree,
-                workspace_id=workspace_id,
-                mode=mode,
-                capabilities=caps,
-                state_dir=state_dir,
+            make_spec = functools.partial(
+                self.spec_for, run_id, worktree, workspace_id=workspace_id, mode=mode,
+                capabilities=caps, state_dir=state_dir,
             )
-            grant = self.broker.grant(base_spec, run_id)
-            spec = self.spec_for(
-                run_id,
-                worktree,
-                workspace_id=workspace_id,
-                mode=mode,
-                capabilities=caps,
-                state_dir=state_dir,
-                extra_binds=grant.bind_mounts,
-            )
+            grant = self.broker.grant(make_spec(), run_id)
+            spec = make_spec(extra_binds=grant.bind_mounts)
             # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
             # so a server shutdown destroys it with the rest.
             port = self.manager.choose(None)

@@ -180,8 +180,9 @@ def mounted_under(root: str) -> list[str]:
 def _clone_file(src: str, dst: str, mode: int) -> None:
     fd_src = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
-        fd_dst = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         mode & 0o7777)
+        fd_dst = os.open(
+            dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode & 0o7777
+        )
         try:
             fcntl.ioctl(fd_dst, FICLONE, fd_src)
         finally:
@@ -218,7 +219,11 @@ def _git(git: str, *args: str, cwd: str) -> subprocess.CompletedProcess[str]:
     # Hooks of the checkout never run here: the server is not the agent's shell.
     return subprocess.run(
         [git, "-c", "core.hooksPath=/dev/null", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=GIT_TIMEOUT_S, check=False,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=GIT_TIMEOUT_S,
+        check=False,
         env={"PATH": os.defpath, "GIT_TERMINAL_PROMPT": "0", "HOME": "/nonexistent"},
     )
 
@@ -277,8 +282,10 @@ def choose_strategy(base: str, git: str | None) -> StrategyChoice:
         BackendUnavailable: none works (no overlay, no reflink and no git).
     """
     rejected: list[tuple[WorktreeStrategy, str]] = []
-    for strategy, attempt in ((WorktreeStrategy.OVERLAY, _try_overlay),
-                              (WorktreeStrategy.REFLINK, _try_reflink)):
+    for strategy, attempt in (
+        (WorktreeStrategy.OVERLAY, _try_overlay),
+        (WorktreeStrategy.REFLINK, _try_reflink),
+    ):
         scratch = os.path.join(base, f".probe-{secrets.token_hex(6)}")
         os.mkdir(scratch, 0o700)
         try:
@@ -293,7 +300,8 @@ def choose_strategy(base: str, git: str | None) -> StrategyChoice:
         rejected.append((strategy, reason))
     if git is None:
         raise BackendUnavailable(
-            "no way to make a worktree here: " + "; ".join(f"{s}: {r}" for s, r in rejected)
+            "no way to make a worktree here: "
+            + "; ".join(f"{s}: {r}" for s, r in rejected)
             + "; and git is not installed",
             fix="install git (apt-get install git), or run the server with CAP_SYS_ADMIN for "
             "overlay worktrees",
@@ -354,19 +362,29 @@ class WorktreeManager:
             raise BadSpec(f"repository path {path!r} is not absolute", fix="give an absolute path")
         resolved = os.path.realpath(path)
         if not os.path.isdir(resolved):
-            raise BadSpec(f"repository path {path!r} is not a directory",
-                          fix="register an existing checkout")
-        if resolved == self.base or resolved.startswith(self.base + "/") or \
-                self.base.startswith(resolved + "/"):
-            raise BadSpec(f"repository path {path!r} overlaps the worktree directory",
-                          fix="register a checkout outside it")
+            raise BadSpec(
+                f"repository path {path!r} is not a directory", fix="register an existing checkout"
+            )
+        if (
+            resolved == self.base
+            or resolved.startswith(self.base + "/")
+            or self.base.startswith(resolved + "/")
+        ):
+            raise BadSpec(
+                f"repository path {path!r} overlaps the worktree directory",
+                fix="register a checkout outside it",
+            )
         if self.strategy is WorktreeStrategy.OVERLAY and _OVERLAY_UNSAFE & set(resolved):
-            raise BadSpec(f"repository path {path!r} contains ',', ':' or '\\', which overlay "
-                          "mount options cannot carry", fix="move or symlink the checkout")
+            raise BadSpec(
+                f"repository path {path!r} contains ',', ':' or '\\', which overlay "
+                "mount options cannot carry",
+                fix="move or symlink the checkout",
+            )
         existing = self.repos.get(repo_id)
         if existing is not None and existing.path != resolved:
-            raise BadSpec(f"repoId {repo_id!r} is registered for {existing.path!r}",
-                          fix="use another repoId")
+            raise BadSpec(
+                f"repoId {repo_id!r} is registered for {existing.path!r}", fix="use another repoId"
+            )
         repo = Repository(repo_id=repo_id, path=resolved)
         self.repos[repo_id] = repo
         return repo
@@ -383,20 +401,28 @@ class WorktreeManager:
         """
         repo = self.repos.get(repo_id)
         if repo is None:
-            raise BadSpec(f"no registered repository {repo_id!r}",
-                          fix="register it first (POST /v1/repos)")
+            raise BadSpec(
+                f"no registered repository {repo_id!r}", fix="register it first (POST /v1/repos)"
+            )
         _check_id("conversationId", conversation_id)
         for wt in self.worktrees.values():
             if wt.repo_id == repo_id and wt.conversation_id == conversation_id:
-                raise BadSpec(f"conversation {conversation_id!r} already has worktree "
-                              f"{wt.worktree_id!r} of {repo_id!r}", fix="use or remove it")
+                raise BadSpec(
+                    f"conversation {conversation_id!r} already has worktree "
+                    f"{wt.worktree_id!r} of {repo_id!r}",
+                    fix="use or remove it",
+                )
         assert self.strategy is not None
         worktree_id = f"{repo_id}-{conversation_id}-{secrets.token_hex(4)}"[:MAX_ID_LENGTH]
         root = os.path.join(self.base, worktree_id)
         os.mkdir(root, 0o700)
         wt = Worktree(
-            worktree_id=worktree_id, repo_id=repo_id, conversation_id=conversation_id,
-            original=repo.path, path=os.path.join(root, "tree"), strategy=self.strategy,
+            worktree_id=worktree_id,
+            repo_id=repo_id,
+            conversation_id=conversation_id,
+            original=repo.path,
+            path=os.path.join(root, "tree"),
+            strategy=self.strategy,
             created=time.time(),
         )
         try:
@@ -408,9 +434,10 @@ class WorktreeManager:
             if isinstance(exc, CcServerError):
                 raise
             if isinstance(exc, OSError | subprocess.SubprocessError):
-                raise WorktreeError(f"could not make a {self.strategy} worktree of "
-                                    f"{repo.path!r}: {exc}",
-                                    fix="check the checkout and the worktree directory") from exc
+                raise WorktreeError(
+                    f"could not make a {self.strategy} worktree of {repo.path!r}: {exc}",
+                    fix="check the checkout and the worktree directory",
+                ) from exc
             raise
         self.worktrees[worktree_id] = wt
         return wt
@@ -420,8 +447,9 @@ class WorktreeManager:
         if wt.strategy is WorktreeStrategy.OVERLAY:
             for name in ("upper", "work", "tree"):
                 os.makedirs(os.path.join(root, name), mode=0o700, exist_ok=True)
-            _mount_overlay(repo.path, os.path.join(root, "upper"), os.path.join(root, "work"),
-                           wt.path)
+            _mount_overlay(
+                repo.path, os.path.join(root, "upper"), os.path.join(root, "work"), wt.path
+            )
             os.chmod(wt.path, 0o755)
         elif wt.strategy is WorktreeStrategy.REFLINK:
             _reflink_tree(repo.path, wt.path)
@@ -462,14 +490,22 @@ class WorktreeManager:
             try:
                 _umount(point)
             except OSError as exc:
-                raise WorktreeError(f"cannot unmount {point!r}: {exc.strerror}",
-                                    fix="stop what still uses it, then remove again") from exc
-        if wt.strategy is WorktreeStrategy.GIT and self.git is not None and \
-                os.path.isdir(wt.original):
+                raise WorktreeError(
+                    f"cannot unmount {point!r}: {exc.strerror}",
+                    fix="stop what still uses it, then remove again",
+                ) from exc
+        if (
+            wt.strategy is WorktreeStrategy.GIT
+            and self.git is not None
+            and os.path.isdir(wt.original)
+        ):
             _git(self.git, "worktree", "remove", "--force", wt.path, cwd=wt.original)
         shutil.rmtree(wt.root, ignore_errors=True)
-        if wt.strategy is WorktreeStrategy.GIT and self.git is not None and \
-                os.path.isdir(wt.original):
+        if (
+            wt.strategy is WorktreeStrategy.GIT
+            and self.git is not None
+            and os.path.isdir(wt.original)
+        ):
             _git(self.git, "worktree", "prune", cwd=wt.original)
 
     def _recover(self) -> None:
@@ -481,9 +517,12 @@ class WorktreeManager:
                 with open(os.path.join(root, _META), encoding="utf-8") as f:
                     data = json.load(f)
                 wt = Worktree(
-                    worktree_id=data["worktreeId"], repo_id=data["repoId"],
-                    conversation_id=data["conversationId"], original=data["original"],
-                    path=data["path"], strategy=WorktreeStrategy(data["strategy"]),
+                    worktree_id=data["worktreeId"],
+                    repo_id=data["repoId"],
+                    conversation_id=data["conversationId"],
+                    original=data["original"],
+                    path=data["path"],
+                    strategy=WorktreeStrategy(data["strategy"]),
                     created=float(data["created"]),
                 )
                 if wt.worktree_id != name or wt.root != root:
@@ -496,8 +535,12 @@ class WorktreeManager:
                 continue
             if wt.strategy is WorktreeStrategy.OVERLAY and wt.path not in mounted_under(root):
                 try:
-                    _mount_overlay(wt.original, os.path.join(root, "upper"),
-                                   os.path.join(root, "work"), wt.path)
+                    _mount_overlay(
+                        wt.original,
+                        os.path.join(root, "upper"),
+                        os.path.join(root, "work"),
+                        wt.path,
+                    )
                 except OSError:
                     continue  # the original is gone: keep the upper layer, do not list it
             self.worktrees[wt.worktree_id] = wt
@@ -514,4 +557,3 @@ class WorktreeManager:
         """Remove every worktree (tests and `--ephemeral` servers)."""
         for worktree_id in list(self.worktrees):
             self.remove(worktree_id)
-
