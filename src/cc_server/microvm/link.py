@@ -39,6 +39,7 @@ AGENT_CONNECT_TIMEOUT_S: Final = 10.0
 AGENT_REPLY_TIMEOUT_S: Final = 30.0
 ENTROPY_BYTES: Final = 64  # fresh randomness for each restored guest
 PROXY_SOCKETS: Final = ("http.sock", "socks.sock")  # NET_OPEN's u8: 0 http, 1 socks
+VM_DIR_PREFIX: Final = "vm"  # <base>/vm-<server pid>-<random>: one VM's sockets, logs, state
 
 
 class AgentGone(EnforcementFailed):
@@ -56,8 +57,8 @@ class ExecChannel:
 class _Conn:
     """One outbound connection: the guest's channel and the proxy socket on the host."""
 
-    def __init__(self, writer: asyncio.StreamWriter) -> None:
-        self.writer = writer
+    def __init__(self) -> None:
+        self.writer: asyncio.StreamWriter | None = None
         self.task: asyncio.Task[None] | None = None
 
 
@@ -248,7 +249,7 @@ class AgentLink:
             self._conn_main(frame.channel, directory / PROXY_SOCKETS[which]),
             name=f"microvm conn {frame.channel:#x}",
         )
-        self._conns[frame.channel] = _Conn(writer=None)  # type: ignore[arg-type]
+        self._conns[frame.channel] = _Conn()
         self._conns[frame.channel].task = task
 
     async def _conn_main(self, channel: int, path: Path) -> None:
@@ -274,7 +275,7 @@ class AgentLink:
 
     def _conn_frame(self, frame: Frame) -> None:
         conn = self._conns.get(frame.channel)
-        if conn is None or getattr(conn, "writer", None) is None:
+        if conn is None or conn.writer is None:
             if conn is None:
                 self._abort(frame.channel)
                 return

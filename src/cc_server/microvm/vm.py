@@ -111,6 +111,7 @@ def qemu_argv(
     mem = config.memory_mib
     argv = [
         qemu,
+        "-name", str(run_dir),  # how a restarted server finds the QEMU of a killed one
         "-accel", config.accel,
         "-cpu", config.cpu,
         "-M", "microvm,pit=on,pic=on,rtc=on,memory-backend=mem0",
@@ -188,7 +189,10 @@ class QmpClient:
         while b"\n" not in self._buf:
             if len(self._buf) > QMP_LINE_LIMIT:
                 raise QmpError("oversized QMP reply")
-            chunk = await loop.sock_recv(self._sock, 65536)
+            try:
+                chunk = await loop.sock_recv(self._sock, 65536)
+            except OSError as exc:
+                raise QmpError(f"QEMU's QMP socket failed: {exc}") from exc
             if not chunk:
                 raise QmpError("QEMU closed its QMP socket")
             self._buf += chunk
@@ -278,6 +282,10 @@ class Qemu:
         qemu._transport = transport  # closed once QEMU has exited (closing it kills QEMU)
         try:
             qemu.qmp = await QmpClient.connect(run_dir / "qmp.sock", qemu)
+        except QmpError as exc:
+            await qemu.kill()
+            raise QmpError(f"{exc.message}; QEMU said: {qemu.stderr_tail() or '(nothing)'}",
+                           fix="check the accelerator and the QEMU install") from exc
         except BaseException:
             await qemu.kill()
             raise

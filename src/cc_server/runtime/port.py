@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from cc_server.backends.bubblewrap import plan_bubblewrap
 from cc_server.backends.plan import Command, Planner
@@ -33,7 +33,17 @@ from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.seatbelt_monitor import SeatbeltMonitor
 from cc_server.runtime.select import choose_backend, planner_for
 
-__all__ = ["NativeSandboxAdapter", "NoSandboxAdapter", "SandboxManager", "SandboxPort"]
+if TYPE_CHECKING:
+    from cc_server.microvm.handle import MicroVMHandle
+    from cc_server.microvm.runtime import MicroVMRuntime
+
+__all__ = [
+    "MicroVMSandboxAdapter",
+    "NativeSandboxAdapter",
+    "NoSandboxAdapter",
+    "SandboxManager",
+    "SandboxPort",
+]
 
 _NO_PROBE = ProbeResult(platform=Platform.OTHER, available=False)  # `none` needs no probe
 
@@ -171,20 +181,100 @@ class NativeSandboxAdapter:
 
 
 @dataclass
+class MicroVMSandboxAdapter:
+    """`microvm`: each sandbox is a QEMU microVM restored from the runtime's snapshot; its
+    commands run on the guest's kernel and its network is the session's proxies only."""
+
+    runtime: MicroVMRuntime | None
+    host: HostFacts
+    backend: SandboxBackend = SandboxBackend.MICROVM
+    egress_resolver: Resolver | None = None
+
+    def launch(
+        self, spec: SandboxSpec, *, deny_create_globs: Iterable[str] = ()
+    ) -> SandboxHandle:
+        """Compile the spec and return a `created` handle whose VM is being restored (its first
+        exec waits for `warm`; `await handle.ready()` does too).
+
+        Raises:
+            BackendUnavailable: this host cannot boot a microVM (the probe's reason), or the
+                policy needs create-time filename rules, which the guest does not enforce yet.
+            BadSpec: the spec does not compile or its mounts do not fit a VM.
+        """
+        policy = compile_policy(spec, self.host, deny_create_globs=deny_create_globs)
+        return self.launch_policy(policy, allowlist_spec=spec)
+
+    def launch_policy(
+        self, policy: CompiledPolicy, *, allowlist_spec: SandboxSpec | None
+    ) -> MicroVMHandle:
+        """A handle for an already compiled policy. Terminals have no spec: their guest
+        reaches the curated baseline through the session's proxies (a VM has no other way out).
+        """
+        from cc_server.egress.patterns import Allowlist
+        from cc_server.egress.baseline import BASELINE_ALLOWED, BASELINE_DENIED
+
+        if self.runtime is None or not self.runtime.available:
+            probe = self.runtime.probe if self.runtime is not None else None
+            raise choose_error(probe)
+        if policy.requires_create_rules:
+            raise BackendUnavailable(
+                "the policy forbids creating files by name (create-time globs), which the "
+                "microVM guest does not enforce",
+                fix="request 'native' (with the create-rule supervisor) for this policy",
+            )
+        spec = allowlist_spec
+        allowlist = (
+            allowlist_for(spec)
+            if spec is not None
+            else Allowlist(patterns=tuple(BASELINE_ALLOWED), denied=BASELINE_DENIED)
+        )
+
+        def suggest(host_name: str) -> str | None:
+            return suggested_capability(host_name, spec) if spec is not None else None
+
+        return self.runtime.launch(
+            policy, allowlist=allowlist, suggest=suggest, resolver=self.egress_resolver
+        )
+
+
+def choose_error(probe: object) -> BackendUnavailable:
+    """The loud failure of an explicit `microvm` request here."""
+    from cc_server.microvm.probe import MicroVMProbe
+
+    if isinstance(probe, MicroVMProbe):
+        return probe.unavailable_error()
+    try:
+        choose_backend(_NO_PROBE, SandboxBackend.MICROVM, sandbox_on=True)
+    except BackendUnavailable as exc:
+        return exc
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+@dataclass
 class SandboxManager:
-    """Owns every live sandbox of a process and picks the backend for each launch."""
+    """Owns every live sandbox of a process and picks the backend for each launch.
+
+    `microvm` is the microVM runtime the process probed (None: not probed, so an explicit
+    `microvm` fails loudly); `default_backend` is what an unspecified request prefers (None:
+    native when available, else none; `microvm`: steps down to native with a log line).
+    """
 
     probe_result: ProbeResult
     host: HostFacts
     sandbox_on: bool = True
     egress_resolver: Resolver | None = None  # name lookups for the proxies (tests inject one)
     handles: dict[str, SandboxHandle] = field(default_factory=dict)
+    microvm: MicroVMRuntime | None = None
+    default_backend: SandboxBackend | None = None
 
     def __post_init__(self) -> None:
         self.native = NativeSandboxAdapter(
             probe_result=self.probe_result, host=self.host, egress_resolver=self.egress_resolver
         )
         self.none = NoSandboxAdapter(host=self.host)
+        self.vm = MicroVMSandboxAdapter(
+            runtime=self.microvm, host=self.host, egress_resolver=self.egress_resolver
+        )
 
     def choose(self, requested: SandboxBackend | None) -> SandboxPort:
         """The adapter for a request; `None` means the caller did not specify one.
@@ -192,7 +282,15 @@ class SandboxManager:
         Raises:
             BackendUnavailable: an explicitly requested backend cannot run on this host.
         """
-        backend = choose_backend(self.probe_result, requested, sandbox_on=self.sandbox_on)
+        backend = choose_backend(
+            self.probe_result,
+            requested,
+            sandbox_on=self.sandbox_on,
+            microvm=self.microvm.probe if self.microvm is not None else None,
+            default=self.default_backend,
+        )
+        if backend is SandboxBackend.MICROVM:
+            return self.vm
         return self.native if backend is SandboxBackend.NATIVE else self.none
 
     def launch(

@@ -2,16 +2,23 @@
 uses this directly and pays no event-loop import.
 
 The choice is the reference page's, exactly:
-- unspecified backend: `native` when the boot probe found one and `--sandbox` is on, else `none`;
+- unspecified backend: the configured default when there is one (a server that prefers
+  `microvm`); `microvm` there steps down to `native` when this host cannot boot a VM, with a log
+  line saying so, and fails loudly when native is missing too (stepping down never reaches
+  `none`). Without a configured default: `native` when the boot probe found one and
+  `--sandbox` is on, else `none`;
 - an explicit `native` that the host cannot provide fails loudly (never steps down to `none`);
-- an explicit `microvm` fails loudly until the microVM backend exists here;
+- an explicit `microvm` on a host whose microVM probe found no way to boot one fails loudly,
+  with the probe's reason;
 - an explicit `none` runs on the host.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from functools import partial
+from typing import Protocol
 
 from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
 from cc_server.backends.none import plan_none
@@ -21,18 +28,66 @@ from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import HostFacts, Platform, SandboxBackend
 
-__all__ = ["choose_backend", "planner_for"]
+__all__ = ["MicroVMVerdict", "choose_backend", "planner_for"]
+
+log = logging.getLogger("cc_server.runtime")
+
+
+class MicroVMVerdict(Protocol):
+    """What backend choice needs of the microVM probe (cc_server.microvm.probe.MicroVMProbe)."""
+
+    @property
+    def available(self) -> bool: ...
+
+    @property
+    def reason(self) -> str: ...
+
+    @property
+    def fix(self) -> str | None: ...
+
+
+def _microvm_unavailable(microvm: MicroVMVerdict | None) -> BackendUnavailable:
+    if microvm is None:
+        return BackendUnavailable(
+            "backend 'microvm' was requested but this host cannot boot a microVM: the microVM "
+            "runtime was not probed in this process",
+            fix="start the server with the microVM runtime (cc-server serve with QEMU "
+            "installed: scripts/bootstrap), or request 'native'",
+        )
+    return BackendUnavailable(
+        f"backend 'microvm' was requested but this host cannot boot a microVM: {microvm.reason}",
+        fix=microvm.fix or "request 'native' or leave the backend unspecified",
+    )
 
 
 def choose_backend(
-    probe_result: ProbeResult, requested: SandboxBackend | None, *, sandbox_on: bool
+    probe_result: ProbeResult,
+    requested: SandboxBackend | None,
+    *,
+    sandbox_on: bool,
+    microvm: MicroVMVerdict | None = None,
+    default: SandboxBackend | None = None,
 ) -> SandboxBackend:
-    """The backend a launch gets; `requested=None` means the caller did not specify one.
+    """The backend a launch gets; `requested=None` means the caller did not specify one, and
+    `default` is what this process prefers then (None: the reference page's native-or-none).
 
     Raises:
-        BackendUnavailable: an explicitly requested backend cannot run on this host.
+        BackendUnavailable: an explicitly requested backend cannot run on this host, or a
+            `microvm` default cannot step down because native is missing too.
     """
     if requested is None:
+        if default is SandboxBackend.MICROVM and sandbox_on:
+            if microvm is not None and microvm.available:
+                return SandboxBackend.MICROVM
+            why = microvm.reason if microvm is not None else "the microVM runtime was not probed"
+            if not probe_result.available:
+                raise BackendUnavailable(
+                    f"the default backend 'microvm' cannot run here ({why}) and there is no "
+                    "native sandbox to step down to",
+                    fix=probe_result.hint or "install QEMU (scripts/bootstrap) or bubblewrap",
+                )
+            log.warning("microvm unavailable (%s); stepping down to native", why)
+            return SandboxBackend.NATIVE
         if sandbox_on and probe_result.available:
             return SandboxBackend.NATIVE
         return SandboxBackend.NONE
@@ -41,11 +96,8 @@ def choose_backend(
             "backend 'native' was requested but this host has no OS-native sandbox",
             fix=probe_result.hint or "install the native sandbox tools",
         )
-    if requested is SandboxBackend.MICROVM:
-        raise BackendUnavailable(
-            "backend 'microvm' was requested but this host cannot boot a microVM",
-            fix="request 'native' or leave the backend unspecified",
-        )
+    if requested is SandboxBackend.MICROVM and not (microvm is not None and microvm.available):
+        raise _microvm_unavailable(microvm)
     return requested
 
 
