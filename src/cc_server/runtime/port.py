@@ -210,8 +210,8 @@ class MicroVMSandboxAdapter:
         """A handle for an already compiled policy. Terminals have no spec: their guest
         reaches the curated baseline through the session's proxies (a VM has no other way out).
         """
-        from cc_server.egress.patterns import Allowlist
         from cc_server.egress.baseline import BASELINE_ALLOWED, BASELINE_DENIED
+        from cc_server.egress.patterns import Allowlist
 
         if self.runtime is None or not self.runtime.available:
             probe = self.runtime.probe if self.runtime is not None else None
