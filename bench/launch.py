@@ -34,14 +34,18 @@ from cc_server.runtime.handle import run_collect
 from cc_server.runtime.port import SandboxManager
 
 
-def _time(fn: Callable[[], object], runs: int) -> float:
-    fn()  # warm-up, not counted
-    samples = []
+def _time_interleaved(cases: dict[str, Callable[[], object]], runs: int) -> dict[str, float]:
+    """The median wall time of each case; the cases take turns, one run each per round, so a
+    load spike on this noisy machine hits every case alike instead of one case's whole block."""
+    for fn in cases.values():
+        fn()  # warm-up, not counted
+    samples: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(runs):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for name, fn in cases.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def main() -> int:
@@ -60,9 +64,6 @@ def main() -> int:
                "--symlink", "usr/bin", "/bin", "--symlink", "usr/lib", "/lib",
                "--symlink", "usr/lib64", "/lib64", "--proc", "/proc", "--dev", "/dev",
                "--bind", work, work, "--", "/bin/true"]
-        bare = _time(lambda: subprocess.run(["/bin/true"], check=True), runs)
-        raw_bwrap = _time(lambda: subprocess.run(raw, check=True), runs)
-
         manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
         handle = manager.launch(
             parse_spec({"sessionId": "bench", "workspaceId": "bench",
@@ -74,26 +75,31 @@ def main() -> int:
             result = loop.run_until_complete(run_collect(handle, ["/bin/true"]))
             assert result.exit_code == 0, result
 
-        lib = _time(library, runs)
         plain = handle.plan(Command(argv=("/bin/true",)))
-        nobridge = _time(lambda: run_attached(plain), runs)
-        loop.run_until_complete(manager.aclose())
-        loop.close()
-
         cli_bin = os.path.join(os.path.dirname(sys.executable), "cc-server")
-        cli = _time(
-            lambda: subprocess.run([cli_bin, "run", "--bind", work, "--", "/bin/true"],
-                                   check=True),
-            runs,
-        )
+        try:
+            medians = _time_interleaved(
+                {
+                    "bare": lambda: subprocess.run(["/bin/true"], check=True),
+                    "bwrap": lambda: subprocess.run(raw, check=True),
+                    "nobridge": lambda: run_attached(plain),
+                    "library": library,
+                    "cli": lambda: subprocess.run(
+                        [cli_bin, "run", "--bind", work, "--", "/bin/true"], check=True
+                    ),
+                },
+                runs,
+            )
+        finally:
+            loop.run_until_complete(manager.aclose())
+            loop.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"runs per case: {runs} (median wall time)")
+    raw_bwrap, lib, cli = medians["bwrap"], medians["library"], medians["cli"]
+    print(f"runs per case: {runs} (median wall time; the cases take turns)")
     print(f"{'case':<10}{'median ms':>12}{'x raw bwrap':>14}")
-    cases = (("bare", bare), ("bwrap", raw_bwrap), ("nobridge", nobridge), ("library", lib),
-             ("cli", cli))
-    for name, value in cases:
+    for name, value in medians.items():
         print(f"{name:<10}{value * 1000:>12.2f}{value / raw_bwrap:>14.2f}")
     print(f"library/bwrap = {lib / raw_bwrap:.2f} (target <= 1.5); "
           f"cli = {cli * 1000:.1f} ms (target <= 100)")

@@ -103,9 +103,12 @@ async def start(
         EnforcementFailed: the program could not be started (missing binary, bad cwd, fd setup);
             the command has not run.
     """
-    import asyncio  # lazy import (see the module docstring)
+    import asyncio  # lazy imports (see the module docstring)
+
+    from cc_server.backends.child_watch import use_pidfd_child_watcher
 
     loop = asyncio.get_running_loop()
+    use_pidfd_child_watcher()
     with _materialised(plan, fds) as (argv, pass_fds):
         # What asyncio.create_subprocess_exec does, keeping the transport.
         transport, protocol = await loop.subprocess_exec(
@@ -162,7 +165,9 @@ async def start_pty(plan: LaunchPlan, rows: int, cols: int) -> PtyProcess:
         EnforcementFailed: the PTY could not be opened or the program could not be started; the
             command has not run.
     """
-    import asyncio  # lazy import (see the module docstring)
+    import asyncio  # lazy imports (see the module docstring)
+
+    from cc_server.backends.child_watch import use_pidfd_child_watcher
 
     loop = asyncio.get_running_loop()
     try:
@@ -172,6 +177,7 @@ async def start_pty(plan: LaunchPlan, rows: int, cols: int) -> PtyProcess:
     try:
         set_window_size(master, rows, cols)
         os.set_blocking(master, False)
+        use_pidfd_child_watcher()
         with _materialised(plan) as (argv, fds):
             try:
                 transport, protocol = await loop.subprocess_exec(

@@ -47,6 +47,7 @@ KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to 
 # After the command exits, how long its pipes may take to reach EOF. A descendant that left the
 # process group (setsid on `none`) can hold them open forever; it must not hold the execution.
 PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
+RETURNCODE_SPIN_TURNS: Final = 16  # loop turns to wait for the exit status before 1 ms naps
 HANDOFF_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's egress listeners arriving
 CREATE_VIOLATION: Final = "file-write-create"  # SandboxViolation.action of a refused new name
 log = logging.getLogger("cc_server.runtime")
@@ -469,8 +470,11 @@ class Execution:
                 finally:
                     loop.remove_reader(pidfd)
                     os.close(pidfd)
+        # The child watcher sets it from a callback it schedules: a few loop turns, at most.
+        turns = 0
         while proc.returncode is None:
-            await asyncio.sleep(0.001)
+            turns += 1
+            await asyncio.sleep(0 if turns <= RETURNCODE_SPIN_TURNS else 0.001)
 
     def _signal_group(self) -> None:
         # The group id stays reserved while any member lives, so this never hits a stranger.
