@@ -1,0 +1,140 @@
+"""Environment sanitisation: no variable named like a secret ever reaches a spawned agent process,
+and what the caller adds cannot smuggle a host secret in under another name."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cc_server.dispatch.env import (
+    ALLOWED_NAMES,
+    SECRET_SUBSTRINGS,
+    SECRET_WORDS,
+    EnvRefused,
+    looks_secret,
+    sanitized_env,
+)
+
+pytestmark = pytest.mark.security
+
+NAME_CHARS = st.sampled_from("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_")
+SECRET_TERMS = sorted(set(SECRET_SUBSTRINGS) | SECRET_WORDS)
+
+
+def _mixed_case(word: str, flips: list[bool]) -> str:
+    return "".join(
+        c.lower() if f else c for c, f in zip(word, flips + [False] * len(word), strict=False)
+    )
+
+
+@st.composite
+def secret_names(draw: st.DrawFn) -> str:
+    """A name with a secret term in it, in any case, anywhere, even behind an allowed prefix."""
+    term = draw(st.sampled_from(SECRET_TERMS))
+    term = _mixed_case(term, draw(st.lists(st.booleans(), max_size=len(term))))
+    prefix = draw(
+        st.sampled_from(["", "LC_", "GH_", "GITHUB_", "AWS_", "X", "MY_", "PATH_", "HOME_"])
+    )
+    before = draw(st.text(NAME_CHARS, max_size=6))
+    after = draw(st.text(NAME_CHARS, max_size=6))
+    # Short words are secrets as whole words: keep them apart from their neighbours.
+    head = prefix + before
+    if term.upper() in SECRET_WORDS:
+        head = head + "_" if head and not head.endswith("_") else head
+        after = "_" + after if after else after
+    name = head + term + after
+    return name if not name[0].isdigit() else "V" + name
+
+
+@settings(max_examples=500)
+@given(st.lists(secret_names(), min_size=1, max_size=20), st.data())
+def test_no_secret_named_variable_is_ever_passed(names: list[str], data: st.DataObject) -> None:
+    source = {name: f"value-{i}-{secrets.token_hex(4)}" for i, name in enumerate(names)}
+    source.update({"PATH": "/usr/bin:/bin", "HOME": "/home/u", "LANG": "C.UTF-8"})
+    out = sanitized_env(source)
+    for name in names:
+        assert name not in out, name
+        assert source[name] not in out.values()
+    assert out["PATH"] == "/usr/bin:/bin"
+
+
+@settings(max_examples=500)
+@given(st.dictionaries(st.text(NAME_CHARS, min_size=1, max_size=24), st.text(max_size=20)))
+def test_only_allowlisted_names_pass(source: dict[str, str]) -> None:
+    for name in sanitized_env(source):
+        assert name in ALLOWED_NAMES or name.startswith("LC_"), name
+        assert not looks_secret(name), name
+
+
+@settings(max_examples=300)
+@given(secret_names())
+def test_an_added_secret_named_variable_is_refused(name: str) -> None:
+    if name.upper().startswith("GIT_CONFIG_KEY_"):
+        return  # git's config key slots hold a key name; their values are checked instead
+    with pytest.raises(EnvRefused):
+        sanitized_env({"PATH": "/bin"}, add={name: "x"})
+
+
+def test_an_addition_cannot_carry_a_host_secret_under_an_ordinary_name() -> None:
+    secret = f"ghp_{secrets.token_hex(16)}"
+    source = {"PATH": "/bin", "GITHUB_TOKEN": secret, "HOME": "/home/u"}
+    for value in (secret, f"https://x:{secret}@github.com/", f"prefix {secret} suffix"):
+        with pytest.raises(EnvRefused, match="host secret"):
+            sanitized_env(source, add={"HTTPS_PROXY": value})
+        with pytest.raises(EnvRefused):
+            sanitized_env(source, add={"GIT_CONFIG_VALUE_0": value})
+
+
+def test_ordinary_additions_pass() -> None:
+    source = {
+        "PATH": "/bin",
+        "SSH_AUTH_SOCK": "/run/agent.sock",
+        "AWS_SECRET_ACCESS_KEY": "abcdefg",
+    }
+    add = {
+        "HTTP_PROXY": "http://127.0.0.1:4000",
+        "HTTPS_PROXY": "http://127.0.0.1:4000",
+        "ALL_PROXY": "socks5h://127.0.0.1:4001",
+        "GIT_SSH_COMMAND": "ssh -o ProxyCommand='nc -X 5 -x 127.0.0.1:4001 %h %p'",
+        "GIT_CONFIG_COUNT": "1",
+        "GIT_CONFIG_KEY_0": "credential.helper",
+        "GIT_CONFIG_VALUE_0": "/run/cc-server/cred-1-0000000000000000/git-credential-cc",
+    }
+    out = sanitized_env(source, add=add)
+    assert out == {"PATH": "/bin", **add}
+    for bad in ({"BAD NAME": "x"}, {"A": "nul\x00"}, {"1A": "x"}):
+        with pytest.raises(EnvRefused):
+            sanitized_env(source, add=bad)
+
+
+def test_a_real_process_sees_none_of_the_host_secrets() -> None:
+    """The server's own environment plus planted secrets, through a real `env` process."""
+    planted = {
+        "GITHUB_TOKEN": f"ghp_{secrets.token_hex(12)}",
+        "ANTHROPIC_API_KEY": f"sk-ant-{secrets.token_hex(12)}",
+        "AWS_SECRET_ACCESS_KEY": secrets.token_hex(20),
+        "AWS_SESSION_TOKEN": secrets.token_hex(20),
+        "DATABASE_URL": f"postgres://u:{secrets.token_hex(8)}@db/x",
+        "NPM_CONFIG__AUTH": secrets.token_hex(12),
+        "LC_SECRET": secrets.token_hex(12),
+        "SSH_AUTH_SOCK": f"/tmp/ssh-{secrets.token_hex(6)}/agent.1",
+        "GIT_ASKPASS": f"/opt/{secrets.token_hex(6)}/askpass",
+        "MY_PAT": secrets.token_hex(12),
+        "SENTRY_DSN": f"https://{secrets.token_hex(8)}@sentry.example/1",
+        "SLACK_WEBHOOK_URL": f"https://hooks.slack.com/{secrets.token_hex(8)}",
+    }
+    source = {**os.environ, **planted}
+    env = sanitized_env(source)
+    seen = subprocess.run(
+        ["/usr/bin/env"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    for name, value in planted.items():
+        assert name not in seen and value not in seen, name
+    for line in seen.splitlines():
+        name = line.partition("=")[0]
+        assert name in ALLOWED_NAMES or name.startswith("LC_"), name
