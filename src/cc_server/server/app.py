@@ -41,6 +41,7 @@ from cc_server.server.auth import (
     write_token_file,
 )
 from cc_server.server.config import ServerConfig, ServerConfigError
+from cc_server.server.dispatch_api import install_dispatch
 from cc_server.server.logs import configure_logging, log_event
 from cc_server.server.openapi import openapi_document
 from cc_server.server.state import STATE, ServerState
@@ -144,8 +145,14 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
     )
     terminals = TerminalSessionService(manager, server_private=(token_path, base))
     state = ServerState(manager=manager, terminals=terminals, token_path=token_path)
+    app = build_app(state, token)
+    try:  # repos, worktrees and dispatch runs (server/dispatch_api.py)
+        install_dispatch(app, manager, server_private=(token_path, base))
+    except BaseException:
+        remove_token_file(token_path, token)
+        raise
     runner = web.AppRunner(
-        build_app(state, token),
+        app,
         access_log_class=_AccessLogger,
         handler_cancellation=True,  # a client that goes away cancels (and kills) its command
         shutdown_timeout=SOCKET_CLOSE_TIMEOUT_S,
