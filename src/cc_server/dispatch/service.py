@@ -105,6 +105,7 @@ class DispatchConfig:
     acp_agent: tuple[str, ...] | None = None  # argv of the ACP agent
     agent_dirs: tuple[str, ...] = ()  # read-only binds the agents need (an npm prefix, ...)
     guardrails: tuple[Guardrail, ...] = ()  # the operator's extra guardrails, after the standard
+    server_private: tuple[str, ...] = ()  # the token file, the socket base: never inside a bind
 
     def agent_argv(self, agent: AgentKind) -> tuple[str, ...] | None:
         """The configured command of an agent kind (None for the harness or when not set)."""
@@ -214,6 +215,20 @@ class DispatchService:
             runner_state_dirs=(state_dir,),
         )
 
+    def _check_private(self, spec: SandboxSpec) -> None:
+        """A run that could read the server's token could drive the server: refuse binds that
+        would show it (or the socket base holding every session's proxies)."""
+        private = [os.path.realpath(p) for p in self.config.server_private]
+        for mount in spec.bind_mounts:
+            root = os.path.realpath(mount.host_path)
+            for path in private:
+                if path == root or path.startswith(root.rstrip("/") + "/"):
+                    raise BadSpec(
+                        f"the dispatch bind {mount.host_path!r} would expose the server's "
+                        f"private {path!r}",
+                        fix="configure agent directories and the dispatch directory outside it",
+                    )
+
     def agent_env(self, state_dir: str, grant: Grant, *, inherit_host: bool) -> dict[str, str]:
         """The agent process's environment.
 
@@ -275,6 +290,7 @@ class DispatchService:
             )
             grant = self.broker.grant(make_spec(), run_id)
             spec = make_spec(extra_binds=grant.bind_mounts)
+            self._check_private(spec)
             # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
             # so a server shutdown destroys it with the rest.
             port = self.manager.choose(None)

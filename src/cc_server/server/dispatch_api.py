@@ -28,10 +28,11 @@ of each agent program), `CC_SERVER_DISPATCH_DIR` (worktrees and run state; by de
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shlex
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -39,7 +40,7 @@ from aiohttp import web
 
 from cc_server.dispatch.acp import start_acp
 from cc_server.dispatch.claude import run_claude
-from cc_server.dispatch.credentials import CredentialBroker
+from cc_server.dispatch.credentials import CredentialBroker, remove_stale_grant_dirs
 from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
 from cc_server.dispatch.worktrees import WorktreeManager
@@ -170,7 +171,8 @@ def config_from_env(environ: Mapping[str, str]) -> tuple[DispatchConfig, str, st
     return config, os.path.join(base, "worktrees"), token_file
 
 
-def install_dispatch(app: web.Application, manager: SandboxManager,
+def install_dispatch(app: web.Application, manager: SandboxManager, *,
+                     server_private: Sequence[str] = (),
                      environ: Mapping[str, str] = os.environ) -> DispatchService:
     """Build the dispatch service from the environment, add its routes, and close it with the
     app.
@@ -181,6 +183,8 @@ def install_dispatch(app: web.Application, manager: SandboxManager,
         BackendUnavailable: no way to make worktrees here.
     """
     config, worktree_dir, token_file = config_from_env(environ)
+    config = dataclasses.replace(config, server_private=tuple(server_private))
+    remove_stale_grant_dirs(egress_base_dir())
     os.makedirs(os.path.dirname(worktree_dir), mode=0o700, exist_ok=True)
     worktrees = WorktreeManager(base=worktree_dir)
     service = DispatchService(
