@@ -180,8 +180,12 @@ class QmpClient:
                     sock.close()
                     await asyncio.sleep(0.002)
         client = cls(sock)
-        await client._read_json()  # the greeting
-        await client.execute("qmp_capabilities")
+        try:
+            await client._read_json()  # the greeting
+            await client.execute("qmp_capabilities")
+        except BaseException:
+            client.close()
+            raise
         return client
 
     async def _read_json(self) -> dict[str, Any]:
