@@ -173,7 +173,9 @@ def _paths() -> dict[str, Any]:
 
 def openapi_document() -> dict[str, Any]:
     """The whole document. Raises nothing."""
-    _, components = msgspec.json.schema_components(_MODELS, ref_template=_REF)
+    from cc_server.server.dispatch_api import REQUEST_MODELS, openapi_paths  # imports this
+
+    _, components = msgspec.json.schema_components(_MODELS + REQUEST_MODELS, ref_template=_REF)
     return {
         "openapi": "3.1.0",
         "info": {
@@ -191,5 +193,5 @@ def openapi_document() -> dict[str, Any]:
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
         },
         "security": [{"bearer": []}],
-        "paths": _paths(),
+        "paths": {**_paths(), **openapi_paths(_ref)},
     }
