@@ -54,8 +54,10 @@ from cc_server.server.logs import log_event
 __all__ = [
     "DISPATCH",
     "REFUSED_STATUS",
+    "REQUEST_MODELS",
     "config_from_env",
     "install_dispatch",
+    "openapi_paths",
     "routes",
 ]
 
@@ -460,3 +462,100 @@ async def acp_prompt(request: web.Request) -> web.StreamResponse:
         raise BadSpec(f"run {run.run_id} has no ACP agent", fix="open it with agent 'acp'")
     return web.json_response({"response": await run.acp.prompt(body.text),
                               "acp": run.acp.to_json()})
+
+
+# --- OpenAPI -------------------------------------------------------------------------------------
+
+REQUEST_MODELS: Final = (
+    RegisterRepo, CreateWorktree, OpenDispatch, ClaudeRequest, BashRequest, ToolRequest,
+    PromptRequest,
+)
+_OBJECT: Final = {"type": "object"}
+
+
+def openapi_paths(ref: Any) -> dict[str, Any]:
+    """The dispatch routes for the OpenAPI document; `ref(model)` names a component schema."""
+
+    def body(model: type) -> dict[str, Any]:
+        return {"required": True, "content": {"application/json": {"schema": ref(model)}}}
+
+    def answer(description: str, *codes: int) -> dict[str, Any]:
+        out: dict[str, Any] = {str(codes[0]): {"description": description, "content": {
+            "application/json": {"schema": _OBJECT}}}}
+        reasons = {400: "bad input; nothing was created or run", 401: "no or wrong token",
+                   403: "a guardrail refused the action (ActionRefused names it)",
+                   404: "unknown repository, worktree, run or tool",
+                   409: "conflict, or the backend cannot enforce the dispatch policy here",
+                   500: "the isolation or the agent failed; nothing is left running"}
+        for code in codes[1:]:
+            out[str(code)] = {"description": reasons[code]}
+        return out
+
+    run_id = {"name": "id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/v1/repos": {
+            "post": {"summary": "Register a checkout (never written by agents)",
+                     "requestBody": body(RegisterRepo),
+                     "responses": answer("registered", 201, 400, 401)},
+            "get": {"summary": "List registered checkouts",
+                    "responses": answer("the repositories", 200, 401)},
+        },
+        "/v1/worktrees": {
+            "post": {"summary": "Make a conversation's copy-on-write worktree",
+                     "requestBody": body(CreateWorktree),
+                     "responses": answer("created (strategy: overlay, reflink or git)",
+                                         201, 400, 401, 500)},
+            "get": {"summary": "List worktrees", "responses": answer("the worktrees", 200, 401)},
+        },
+        "/v1/worktrees/{id}": {
+            "parameters": [run_id],
+            "get": {"summary": "One worktree", "responses": answer("the worktree", 200, 401, 404)},
+            "delete": {"summary": "Remove a worktree: no mount, directory or git entry is left",
+                       "responses": {"204": {"description": "removed, or was not there"},
+                                     "409": {"description": "a live run uses it"}}},
+        },
+        "/v1/dispatches": {
+            "post": {"summary": "Open a dispatch run (sandbox, guardrails, agent handshake)",
+                     "requestBody": body(OpenDispatch),
+                     "responses": answer("the run, with its actual backend",
+                                         201, 400, 401, 403, 404, 409, 500)},
+            "get": {"summary": "List live runs", "responses": answer("the runs", 200, 401)},
+        },
+        "/v1/dispatches/{id}": {
+            "parameters": [run_id],
+            "get": {"summary": "One run", "responses": answer("the run", 200, 401, 404)},
+            "delete": {"summary": "Tear a run down: agent, sandbox, proxies, credentials, state",
+                       "responses": {"204": {"description": "closed, or was not live"}}},
+        },
+        "/v1/dispatches/{id}/claude": {
+            "parameters": [run_id],
+            "post": {"summary": "Run the Claude Code CLI in the run's sandbox (seam 1)",
+                     "requestBody": body(ClaudeRequest),
+                     "responses": answer("exit code, bounded output, violations",
+                                         200, 400, 401, 403, 404, 500)},
+        },
+        "/v1/dispatches/{id}/bash": {
+            "parameters": [run_id],
+            "post": {"summary": "The harness bash tool",
+                     "requestBody": body(BashRequest),
+                     "responses": answer("exit code, bounded output, violations",
+                                         200, 400, 401, 403, 404, 500)},
+        },
+        "/v1/dispatches/{id}/tools/{tool}": {
+            "parameters": [run_id, {"name": "tool", "in": "path", "required": True,
+                                    "schema": {"type": "string", "enum": [
+                                        "read", "write", "edit", "apply_patch", "search",
+                                        "find", "search_files"]}}],
+            "post": {"summary": "One in-process file tool call (outside any sandbox; the tool "
+                                "enforces the run's policy itself)",
+                     "requestBody": body(ToolRequest),
+                     "responses": answer("the tool's result", 200, 400, 401, 403, 404)},
+        },
+        "/v1/dispatches/{id}/acp/prompt": {
+            "parameters": [run_id],
+            "post": {"summary": "Send one prompt to the run's ACP agent",
+                     "requestBody": body(PromptRequest),
+                     "responses": answer("the stop reason and the ACP exchanges so far",
+                                         200, 400, 401, 404, 500)},
+        },
+    }
