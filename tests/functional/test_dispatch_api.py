@@ -1,0 +1,217 @@
+"""The dispatch API: in process over a real DispatchService (for guardrails and probes the tests
+choose), and once through the real `cc-server serve` process configured by its environment."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+from dispatch_kit import (
+    ACP_AGENT_BIN,
+    ACP_AGENT_NAME,
+    CLAUDE_BIN,
+    CLAUDE_VERSION,
+    Dispatch,
+    make_repo,
+    need_npm_agents,
+    open_dispatch,
+)
+from server_kit import running_server
+
+from cc_server.backends.probe import ProbeResult
+from cc_server.dispatch.guardrails import Action
+from cc_server.dispatch.worktrees import mounted_under
+from cc_server.server.dispatch_api import DISPATCH, routes
+
+pytestmark = pytest.mark.integration
+
+
+class _Broken:
+    """An operator guardrail with a bug: it raises on every action."""
+
+    name = "operator-broken"
+
+    def check(self, action: Action) -> None:
+        raise RuntimeError("lookup table missing")
+
+
+def _app(d: Dispatch) -> web.Application:
+    app = web.Application()
+    app[DISPATCH] = d.service
+    app.router.add_routes(routes)
+    return app
+
+
+@pytest.fixture
+async def api(tmp_path: pathlib.Path,
+              probe_result: ProbeResult) -> AsyncIterator[tuple[TestClient[Any, Any], Dispatch]]:
+    async with open_dispatch(tmp_path, probe_result) as d, \
+            TestClient(TestServer(_app(d))) as client:
+        yield client, d
+
+
+async def _worktree(client: TestClient[Any, Any], conversation: str = "c1") -> dict[str, Any]:
+    resp = await client.post("/v1/worktrees", json={"repoId": "r", "conversationId": conversation})
+    assert resp.status == 201, await resp.text()
+    body: dict[str, Any] = await resp.json()
+    return body
+
+
+async def test_worktrees_are_created_listed_and_removed_through_the_api(
+    api: tuple[TestClient[Any, Any], Dispatch]
+) -> None:
+    client, d = api
+    other = make_repo(d.tmp / "other")
+    resp = await client.post("/v1/repos", json={"repoId": "other", "path": str(other)})
+    assert resp.status == 201
+    assert {r["repoId"] for r in (await (await client.get("/v1/repos")).json())["repos"]} == {
+        "r", "other"}
+    wt = await _worktree(client)
+    assert wt["original"] == str(d.repo) and wt["strategy"] == str(d.worktrees.strategy)
+    listed = (await (await client.get("/v1/worktrees")).json())["worktrees"]
+    assert [w["worktreeId"] for w in listed] == [wt["worktreeId"]]
+    assert (await client.get(f"/v1/worktrees/{wt['worktreeId']}")).status == 200
+    assert (await client.delete(f"/v1/worktrees/{wt['worktreeId']}")).status == 204
+    assert (await client.delete(f"/v1/worktrees/{wt['worktreeId']}")).status == 204
+    assert (await client.get(f"/v1/worktrees/{wt['worktreeId']}")).status == 404
+    assert os.listdir(d.worktrees.base) == [] and mounted_under(str(d.tmp)) == []
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status"),
+    [
+        ("/v1/repos", {"repoId": "x", "path": "relative"}, 400),
+        ("/v1/repos", {"repoId": "x", "path": "/", "extra": 1}, 400),
+        ("/v1/worktrees", {"repoId": "nope", "conversationId": "c"}, 400),
+        ("/v1/worktrees", {"repoId": "r", "conversationId": "../c"}, 400),
+        ("/v1/dispatches", {"worktreeId": "missing"}, 404),
+        ("/v1/dispatches", {"worktreeId": "w", "mode": "yolo"}, 400),
+    ],
+)
+async def test_bad_requests_are_refused_and_create_nothing(
+    api: tuple[TestClient[Any, Any], Dispatch], path: str, body: dict[str, Any], status: int
+) -> None:
+    client, d = api
+    resp = await client.post(path, json=body)
+    assert resp.status == status, await resp.text()
+    assert (await resp.json())["message"]
+    assert d.worktrees.worktrees == {} and d.service.runs == {}
+    assert os.listdir(d.worktrees.base) == []
+
+
+async def test_a_dispatch_whose_guardrail_raises_is_refused(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    async with open_dispatch(tmp_path, probe_result, guardrails=[_Broken()]) as d, \
+            TestClient(TestServer(_app(d))) as client:
+        wt = await _worktree(client)
+        resp = await client.post("/v1/dispatches",
+                                 json={"worktreeId": wt["worktreeId"], "agent": "claude"})
+        assert resp.status == 403
+        body = await resp.json()
+        assert body["error"] == "ActionRefused" and body["guardrail"] == "operator-broken"
+        assert "RuntimeError: lookup table missing" in body["message"]
+        assert d.service.runs == {} and d.manager.handles == {}
+        assert list((tmp_path / "runs").iterdir()) == []
+
+
+async def test_native_dispatch_without_create_rules_fails_closed_with_the_reason(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    weaker = dataclasses.replace(probe_result, create_rules=False)
+    async with open_dispatch(tmp_path, weaker) as d, \
+            TestClient(TestServer(_app(d))) as client:
+        wt = await _worktree(client)
+        resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
+        assert resp.status == 409
+        body = await resp.json()
+        assert body["error"] == "BackendUnavailable"
+        assert "cannot refuse a new name inside a writable bind" in body["message"]
+        assert "disabling the sandbox is an unconfined opt-out" in body["fix"]
+        assert d.service.runs == {} and d.manager.handles == {}
+
+
+async def test_a_harness_run_through_the_api(
+    api: tuple[TestClient[Any, Any], Dispatch]
+) -> None:
+    client, d = api
+    wt = await _worktree(client)
+    resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
+    assert resp.status == 201, await resp.text()
+    run = await resp.json()
+    assert run["backend"] == "native" and run["sandboxed"] is True
+    assert run["protectedPaths"] == [str(d.repo)]
+    assert run["guardrails"] == ["tool-surface", "command-policy", "path-policy"]
+    url = f"/v1/dispatches/{run['runId']}"
+    bash = await (await client.post(f"{url}/bash", json={"command": "echo hi > out.txt; "
+                                                                    "cat out.txt; exit 4"})).json()
+    assert (bash["exitCode"], bash["stdout"]) == (4, "hi\n")
+    read = await client.post(f"{url}/tools/read", json={"path": "out.txt"})
+    assert (await read.json())["content"] == "hi\n"
+    pem = await client.post(f"{url}/tools/write", json={"path": "id.pem", "content": "k"})
+    assert pem.status == 403 and (await pem.json())["error"] == "ActionRefused"
+    assert (await client.post(f"{url}/tools/chmod", json={"path": "x"})).status == 404
+    busy = await client.delete(f"/v1/worktrees/{wt['worktreeId']}")
+    assert busy.status == 409
+    assert (await client.delete(url)).status == 204
+    assert (await client.get(url)).status == 404
+    assert not (d.repo / "out.txt").exists()
+    assert d.manager.handles == {}
+
+
+async def test_claude_and_an_acp_agent_through_the_api(
+    api: tuple[TestClient[Any, Any], Dispatch]
+) -> None:
+    need_npm_agents()
+    client, _ = api
+    wt = await _worktree(client)
+    resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"],
+                                                     "agent": "claude", "mode": "review"})
+    run = await resp.json()
+    version = await (await client.post(f"/v1/dispatches/{run['runId']}/claude",
+                                       json={"args": ["--version"]})).json()
+    assert version["stdout"].strip() == f"{CLAUDE_VERSION} (Claude Code)"
+    assert version["backend"] == "native"
+    await client.delete(f"/v1/dispatches/{run['runId']}")
+    resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"],
+                                                     "agent": "acp"})
+    assert resp.status == 201, await resp.text()
+    run = await resp.json()
+    assert run["acp"]["agentInfo"]["name"] == ACP_AGENT_NAME and run["acp"]["sessionId"]
+    assert (await client.delete(f"/v1/dispatches/{run['runId']}")).status == 204
+
+
+async def test_the_served_api_dispatches_with_the_operators_settings(
+    tmp_path: pathlib.Path,
+) -> None:
+    need_npm_agents()
+    repo = make_repo(tmp_path / "repo")
+    env = {"CC_SERVER_CLAUDE_PATH": str(CLAUDE_BIN), "CC_SERVER_ACP_AGENT": str(ACP_AGENT_BIN),
+           "CC_SERVER_DISPATCH_DIR": str(tmp_path / "dispatch")}
+    with running_server(tmp_path, env=env) as server:
+        assert any(e.get("event") == "dispatch" for e in server.log())
+        async with server.client() as http:
+            doc = await (await http.get("/openapi.json")).json()
+            assert "/v1/dispatches/{id}/claude" in doc["paths"]
+            await http.post("/v1/repos", json={"repoId": "r", "path": str(repo)})
+            wt = await (await http.post("/v1/worktrees", json={
+                "repoId": "r", "conversationId": "c1"})).json()
+            run = await (await http.post("/v1/dispatches", json={
+                "worktreeId": wt["worktreeId"], "agent": "claude"})).json()
+            assert run["backend"] == "native", run
+            assert run["worktree"]["path"].startswith(str(tmp_path / "dispatch"))
+            out = await (await http.post(f"/v1/dispatches/{run['runId']}/claude",
+                                         json={"args": ["--version"]})).json()
+            assert out["stdout"].strip() == f"{CLAUDE_VERSION} (Claude Code)"
+        async with aiohttp.ClientSession(server.url) as anonymous:
+            assert (await anonymous.get("/v1/worktrees")).status == 401
+        # Stopping the server with a run and a worktree live leaves no mount behind.
+        assert server.stop() == 0
+    assert mounted_under(str(tmp_path)) == []
