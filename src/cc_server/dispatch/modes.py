@@ -217,15 +217,17 @@ class _Unparseable(ValueError):
 def split_shell(line: str) -> list[list[str]]:
     """Split a shell command line into simple commands (lists of words, redirections kept).
 
-    Command substitutions, backticks, subshells and braces become command boundaries, so what runs
-    inside them is checked as a command of its own.
+    Newlines, command substitutions, backticks, subshells and braces become command boundaries, so
+    what runs inside them is checked as a command of its own. (Inside quotes too: that can only
+    make more words count as commands, never fewer.)
 
     Raises:
         ValueError: the line cannot be tokenised (an unclosed quote): refuse it, do not guess.
     """
     # Boundaries for what shlex does not know: $( ... ), `...`, ( ... ), { ...; }.
     prepared = (
-        line.replace("$(", " ; ")
+        line.replace("\n", " ; ")
+        .replace("$(", " ; ")
         .replace("`", " ; ")
         .replace("(", " ; ")
         .replace(")", " ; ")
