@@ -5,6 +5,7 @@ that drive an interactive command in the guest."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import os
 import pathlib
@@ -28,7 +29,9 @@ READ_TIMEOUT_S = 60.0  # one answer from a guest shell under TCG on a loaded hos
 def shared_runtime() -> MicroVMRuntime:
     """The microVM runtime of this host, probed once per test process. It must be available:
     scripts/bootstrap installs QEMU and builds the agent, so a missing runtime is a failure."""
-    runtime = asyncio.run(probe_runtime())
+    # In a thread of its own: the async tests that get here first already run an event loop.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        runtime = pool.submit(asyncio.run, probe_runtime()).result()
     assert runtime.available, f"the microVM probe found no runtime: {runtime.probe.to_json()}"
     return runtime
 

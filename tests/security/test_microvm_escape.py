@@ -1,0 +1,116 @@
+"""Escapes from a real microVM, each expected to fail: the network other than through the
+session's proxies, writes through a read-only bind or a protected path inside a writable one,
+reading a secret inside a bind, and undoing the guest's carve-outs.
+
+The egress half reuses the egress suite's local upstream and fake resolver: nothing is looked up
+or dialled beyond the test's own servers on 127.0.0.1 (and the addresses tried from inside the
+guest, which has no route to anything).
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+from microvm_kit import launch, manager
+from test_egress import ALLOWED, DENIED, LOOPBACK, FakeDns, open_upstream
+
+from cc_server.runtime.handle import run_collect
+
+pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+WGET = "timeout 10 wget -q -O -"  # (busybox 1.35 wget -T crashes with a proxy)
+
+
+async def test_egress_only_through_the_proxy(tmp_path: pathlib.Path) -> None:
+    dns = FakeDns({ALLOWED: [LOOPBACK], DENIED: [LOOPBACK]})
+    with open_upstream() as upstream:
+        m = manager(tmp_path, resolver=dns)
+        try:
+            handle = await launch(m, egressAllowlist=[ALLOWED, "127.0.0.1"])
+            port = upstream.port
+            allowed = await run_collect(handle, ["/bin/sh", "-c",
+                f"{WGET} http://{ALLOWED}:{port}/"])
+            assert allowed.exit_code == 0, allowed.stderr
+            assert allowed.stdout.decode().strip() == upstream.marker
+            denied = await run_collect(handle, ["/bin/sh", "-c",
+                f"{WGET} http://{DENIED}:{port}/"])
+            assert denied.exit_code != 0 and upstream.marker.encode() not in denied.stdout
+            assert [v.target for v in handle.violations] == [f"{DENIED}:{port}"]
+            assert all(v.action == "network-outbound" for v in handle.violations)
+            # Around the proxy: the guest has loopback only; no host, gateway or outside
+            # address answers, and there is no DNS to ask.
+            direct = await run_collect(handle, ["/bin/sh", "-c", (
+                "unset http_proxy HTTP_PROXY; ip -o link | cut -d: -f2; ip route; "
+                f"for t in 10.0.2.2:{port} 1.1.1.1:80 192.168.0.1:80 169.254.169.254:80; do "
+                f"{WGET} http://$t/ && echo REACHED-$t; done; "
+                "nslookup example.com 10.0.2.3 >/dev/null 2>&1 && echo DNS-ANSWERED; true"
+            )])
+            out = direct.stdout.decode()
+            assert out.split() == ["lo"], out  # one interface, no route
+            assert "REACHED" not in out and "DNS-ANSWERED" not in out
+            assert upstream.seen.count(f"{ALLOWED}:{port}") == 1  # the one allowed request
+        finally:
+            await m.aclose()
+
+
+async def test_network_off_refuses_everything(tmp_path: pathlib.Path) -> None:
+    dns = FakeDns({ALLOWED: [LOOPBACK]})
+    with open_upstream() as upstream:
+        m = manager(tmp_path, resolver=dns)
+        try:
+            handle = await launch(m, networkEnabled=False, egressAllowlist=[ALLOWED])
+            result = await run_collect(handle, ["/bin/sh", "-c",
+                f"{WGET} http://{ALLOWED}:{upstream.port}/"])
+            assert result.exit_code != 0 and not upstream.seen
+            assert [v.action for v in handle.violations] == ["network-outbound"]
+        finally:
+            await m.aclose()
+
+
+async def test_read_only_and_protected_paths_hold(tmp_path: pathlib.Path) -> None:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("SECRET-KEY\n")
+    (home / ".git" / "hooks").mkdir(parents=True)  # a mandatory deny-write in every root
+    work = home / "work"
+    (work / "protected").mkdir(parents=True)
+    (work / "protected" / "file").write_text("original\n")
+    m = manager(home)
+    try:
+        handle = await launch(
+            m,
+            bindMounts=[{"hostPath": str(home), "guestPath": "/home/u"}],
+            protectedPaths=[str(work / "protected")],
+        )
+        result = await run_collect(handle, ["/bin/sh", "-c", (
+            "cat /home/u/.ssh/id_ed25519; ls -a /home/u/.ssh; "
+            "echo evil > /home/u/work/protected/file; "
+            "echo hook > /home/u/.git/hooks/pre-commit; "
+            "umount /home/u/work/protected; umount -l /home/u/.ssh; umount /home/u; "
+            "mount -o remount,rw /home/u/work/protected; "
+            "echo evil > /home/u/work/protected/file; cat /home/u/.ssh/id_ed25519; "
+            "echo ok > /home/u/work/fine; true"
+        )])
+        assert b"SECRET-KEY" not in result.stdout
+        assert (work / "protected" / "file").read_text() == "original\n"
+        assert not (home / ".git" / "hooks" / "pre-commit").exists()
+        assert (work / "fine").read_text() == "ok\n"  # the rest of the bind stays writable
+    finally:
+        await m.aclose()
+
+
+async def test_review_mode_binds_are_read_only_at_the_host(tmp_path: pathlib.Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, mode="review",
+                              bindMounts=[{"hostPath": str(work), "guestPath": "/work"}])
+        assert handle.mount_plan is not None
+        assert all(share.read_only for share in handle.mount_plan.shares)
+        result = await run_collect(handle, ["/bin/sh", "-c",
+            "mount -o remount,rw /work; echo x > /work/f"])
+        assert result.exit_code != 0 and not (work / "f").exists()
+    finally:
+        await m.aclose()
