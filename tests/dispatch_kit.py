@@ -190,6 +190,12 @@ class ScriptedAgent:
             out = await self.conn.terminal_output(session_id=sid, terminal_id=term.terminal_id)
             await self.conn.release_terminal(session_id=sid, terminal_id=term.terminal_id)
             return {"exitCode": done.exit_code, "output": out.output}
+        if kind == "local":  # the agent's own process, not a request to its client
+            try:
+                with open(op["path"], "a" if "content" in op else "r") as f:
+                    return f.write(op["content"]) if "content" in op else f.read()
+            except OSError as exc:
+                return {"oserror": exc.strerror}
         raise ValueError(kind)
 
     async def prompt(self, session_id, prompt, **kw):
