@@ -1,0 +1,153 @@
+"""The microVM probe's verdicts from hand-built facts (a KVM host, a no-QEMU host), the backend
+choice around it (explicit microvm fails loudly; only an unspecified default steps down, to
+native, with a log line; never to none), the agent protocol's framing and the mount plan."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from cc_server.backends.probe import ProbeResult
+from cc_server.errors import BackendUnavailable, BadSpec
+from cc_server.microvm.mounts import plan_mounts
+from cc_server.microvm.probe import QEMU_PACKAGE_HINT, BootOutcome, MicroVMFacts, decide
+from cc_server.microvm.proto import (
+    ExecFlags,
+    Frame,
+    FrameDecoder,
+    FrameType,
+    MountOp,
+    ProtocolError,
+    encode,
+    exec_payload,
+)
+from cc_server.microvm.vm import MOUNT_SLOTS
+from cc_server.policy import HostFacts, Platform, SandboxBackend, compile_policy, parse_spec
+from cc_server.runtime.select import choose_backend
+
+QEMU = "/usr/bin/qemu-system-x86_64"
+NATIVE = ProbeResult(platform=Platform.LINUX, available=True, mechanism="bubblewrap",
+                     tools={"bwrap": "/usr/bin/bwrap"})
+NO_NATIVE = ProbeResult(platform=Platform.LINUX, available=False, hint="install bubblewrap")
+KVM_HOST = decide(MicroVMFacts(qemu=QEMU, kvm_usable=True, kvm_boot=BootOutcome(ok=True)))
+NO_QEMU = decide(MicroVMFacts(qemu=None, kvm_usable=True))
+KVM_BROKEN = decide(MicroVMFacts(
+    qemu=QEMU, kvm_usable=True, kvm_boot=BootOutcome(ok=False, detail="no agent answer in 20 s"),
+    tcg_boot=BootOutcome(ok=True),
+))
+
+
+def test_probe_kvm_works() -> None:
+    assert KVM_HOST.available and KVM_HOST.accel == "kvm" and not KVM_HOST.kvm_detail
+
+
+def test_probe_kvm_broken_falls_to_tcg_and_says_why() -> None:
+    assert KVM_BROKEN.available and KVM_BROKEN.accel == "tcg"
+    assert "did not boot under KVM (no agent answer in 20 s)" in KVM_BROKEN.reason
+
+
+def test_probe_without_qemu() -> None:
+    assert not NO_QEMU.available and NO_QEMU.accel is None
+    assert "qemu-system-x86_64 is not installed" in NO_QEMU.reason
+    assert NO_QEMU.fix == QEMU_PACKAGE_HINT
+
+
+def test_probe_no_accelerator_boots() -> None:
+    verdict = decide(MicroVMFacts(qemu=QEMU, kvm_usable=False,
+                                  tcg_boot=BootOutcome(ok=False, detail="panic")))
+    assert not verdict.available
+    assert "/dev/kvm is missing" in verdict.reason and "TCG: panic" in verdict.reason
+
+
+@pytest.mark.parametrize("native", [NATIVE, NO_NATIVE])
+@pytest.mark.parametrize("microvm", [NO_QEMU, None])
+def test_explicit_microvm_without_runtime_fails_loudly(
+    native: ProbeResult, microvm: object
+) -> None:
+    with pytest.raises(BackendUnavailable, match="cannot boot a microVM") as info:
+        choose_backend(native, SandboxBackend.MICROVM, sandbox_on=True,
+                       microvm=NO_QEMU if microvm is not None else None)
+    assert info.value.fix
+
+
+def test_explicit_microvm_with_runtime() -> None:
+    assert choose_backend(NO_NATIVE, SandboxBackend.MICROVM, sandbox_on=True,
+                          microvm=KVM_BROKEN) is SandboxBackend.MICROVM
+
+
+def test_unspecified_default_prefers_microvm() -> None:
+    chosen = choose_backend(NATIVE, None, sandbox_on=True, microvm=KVM_HOST,
+                            default=SandboxBackend.MICROVM)
+    assert chosen is SandboxBackend.MICROVM
+
+
+def test_unspecified_default_steps_down_to_native_with_a_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="cc_server.runtime"):
+        chosen = choose_backend(NATIVE, None, sandbox_on=True, microvm=NO_QEMU,
+                                default=SandboxBackend.MICROVM)
+    assert chosen is SandboxBackend.NATIVE
+    assert [r.getMessage() for r in caplog.records] == [
+        f"microvm unavailable ({NO_QEMU.reason}); stepping down to native"
+    ]
+
+
+def test_stepping_down_never_reaches_none() -> None:
+    with pytest.raises(BackendUnavailable, match="no native sandbox to step down to"):
+        choose_backend(NO_NATIVE, None, sandbox_on=True, microvm=NO_QEMU,
+                       default=SandboxBackend.MICROVM)
+
+
+def test_frames_round_trip_and_limits() -> None:
+    decoder = FrameDecoder()
+    data = encode(7, FrameType.STDOUT, b"hello") + encode(0, FrameType.PONG)
+    frames = decoder.feed(data[:5]) + decoder.feed(data[5:])
+    assert frames == [Frame(7, FrameType.STDOUT, b"hello"), Frame(0, FrameType.PONG, b"")]
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(encode(1, FrameType.DATA)[:8] + b"\x63")
+    with pytest.raises(ValueError, match="NUL"):
+        exec_payload(("a\0b",), (), None, ExecFlags.NONE)
+
+
+def _host(tmp: str) -> HostFacts:
+    return HostFacts(platform=Platform.LINUX, home=os.path.join(tmp, "home"),
+                     realpath=os.path.realpath, exists=os.path.lexists, is_dir=os.path.isdir)
+
+
+def test_mount_plan(tmp_path: os.PathLike[str]) -> None:
+    tmp = str(tmp_path)
+    home = os.path.join(tmp, "home")
+    os.makedirs(os.path.join(home, ".ssh"))
+    os.makedirs(os.path.join(home, "repo"))
+    spec = parse_spec({"sessionId": "s", "workspaceId": "w", "protectedPaths": [
+        os.path.join(home, "repo")], "bindMounts": [{"hostPath": home, "guestPath": "/h"}]})
+    plan = plan_mounts(compile_policy(spec, _host(tmp)), is_dir=os.path.isdir,
+                       exists=os.path.lexists)
+    assert [s.read_only for s in plan.shares] == [False]
+    steps = [(s.op, s.guest_path) for s in plan.steps]
+    assert steps == [(MountOp.NINEP, "/h"), (MountOp.RO_BIND, "/h/repo"),
+                     (MountOp.HIDE, "/h/.ssh")]
+
+
+def test_mount_plan_refuses_what_a_vm_cannot_share(tmp_path: os.PathLike[str]) -> None:
+    tmp = str(tmp_path)
+    dirs = [os.path.join(tmp, f"d{i}") for i in range(MOUNT_SLOTS + 1)]
+    for d in dirs:
+        os.makedirs(d)
+    with open(os.path.join(tmp, "file"), "w") as f:
+        f.write("x")
+    host = _host(tmp)
+
+    def plan(binds: list[dict[str, object]]) -> None:
+        spec = parse_spec({"sessionId": "s", "workspaceId": "w", "bindMounts": binds})
+        plan_mounts(compile_policy(spec, host), is_dir=os.path.isdir, exists=os.path.lexists)
+
+    with pytest.raises(BadSpec, match="mount slots"):
+        plan([{"hostPath": d, "guestPath": f"/m{i}"} for i, d in enumerate(dirs)])
+    with pytest.raises(BadSpec, match="directories only"):
+        plan([{"hostPath": os.path.join(tmp, "file"), "guestPath": "/f"}])
+    with pytest.raises(BadSpec, match="guest's own system"):
+        plan([{"hostPath": dirs[0], "guestPath": "/dev/x"}])
