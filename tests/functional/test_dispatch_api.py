@@ -215,3 +215,22 @@ async def test_the_served_api_dispatches_with_the_operators_settings(
         # Stopping the server with a run and a worktree live leaves no mount behind.
         assert server.stop() == 0
     assert mounted_under(str(tmp_path)) == []
+
+
+@pytest.mark.parametrize("agent", [("/bin/sh", "-c", "echo not-acp; exit 3"),
+                                   ("/bin/sh", "-c", "head -c 100 >/dev/null; exit 0")],
+                         ids=["garbage-then-exit", "reads-then-exits"])
+async def test_an_agent_that_does_not_speak_acp_is_refused_and_leaves_nothing(
+    tmp_path: pathlib.Path, probe_result: ProbeResult, agent: tuple[str, ...]
+) -> None:
+    async with open_dispatch(tmp_path, probe_result, acp_agent=agent) as d, \
+            TestClient(TestServer(_app(d))) as client:
+        wt = await _worktree(client)
+        resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"],
+                                                         "agent": "acp"})
+        assert resp.status == 500, await resp.text()
+        body = await resp.json()
+        assert body["error"] == "EnforcementFailed"
+        assert "did not complete initialize and session/new" in body["message"]
+        assert d.service.runs == {} and d.manager.handles == {}
+        assert list((tmp_path / "runs").iterdir()) == []
