@@ -92,6 +92,7 @@ class OpenDispatch(_Body):
 
 class ClaudeRequest(_Body):
     args: list[str]  # arguments after the CLI's path (`["--version"]`, `["-p", "hi"]`)
+    env: dict[str, str] | None = None  # added variables (checked: never a secret-named one)
     stdin: str | None = None
     timeout_s: float | None = None
     max_output_bytes: int | None = None
@@ -396,7 +397,7 @@ async def claude(request: web.Request) -> web.StreamResponse:
     """Run the Claude Code CLI in the run's sandbox."""
     run = _run(request)
     body: ClaudeRequest = await _body(request, ClaudeRequest)
-    result = await run_claude(run, body.args,
+    result = await run_claude(run, body.args, env=body.env,
                               stdin=None if body.stdin is None else body.stdin.encode(),
                               timeout_s=body.timeout_s, max_output_bytes=body.max_output_bytes)
     return web.json_response({**result.to_json(), "backend": str(run.backend)})
