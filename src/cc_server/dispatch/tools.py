@@ -34,6 +34,7 @@ from cc_server.dispatch._paths import (
     map_guest_path,
     matches_create_glob,
     rule_covering,
+    rule_under,
 )
 from cc_server.dispatch._resolve import Resolver, default_resolver, real_path
 from cc_server.dispatch.guardrails import (
@@ -619,6 +620,9 @@ class FileTools:
         action = self._action(kind, start)
         mapped = self._admit(action, write=False)
         root_fd, root_real = self._open_read(action, mapped, _DIR_FLAGS)
+        # Only the secrets below the root can be met (one covering the root was refused above).
+        secrets_below = rule_under(self.policy.deny_read, root_real)
+        mount_root = mapped.mount.host_path
         seen = 0
         try:
             for dirpath, dirnames, filenames, dirfd in os.fwalk(
@@ -626,57 +630,61 @@ class FileTools:
             ):
                 rel_dir = posixpath.normpath(dirpath)
                 rel_dir = "" if rel_dir == "." else rel_dir
-                host_dir = posixpath.join(root_real, rel_dir) if rel_dir else root_real
-                kept = []
-                for name in sorted(dirnames):
-                    host = posixpath.join(host_dir, name)
-                    if name in SKIPPED_DIRS or rule_covering(self.policy.deny_read, host):
-                        continue
-                    kept.append(name)
-                dirnames[:] = kept
+                expected = posixpath.join(root_real, rel_dir) if rel_dir else root_real
+                # What the directory descriptor really is, once per directory: files are then
+                # opened in it with O_NOFOLLOW, so their real path is this plus their name.
+                dir_real = real_path(dirfd, expected)
+                if dir_real != expected or posixpath.commonpath([dir_real, mount_root]) != (
+                    mount_root
+                ):
+                    dirnames[:] = []
+                    continue  # swapped while walking: skip it rather than guess
+                dirnames[:] = [
+                    name
+                    for name in sorted(dirnames)
+                    if name not in SKIPPED_DIRS
+                    and not rule_covering(secrets_below, posixpath.join(dir_real, name))
+                ]
                 for name in sorted(filenames):
                     seen += 1
                     if seen > MAX_WALK_ENTRIES:
                         return
-                    host = posixpath.join(host_dir, name)
-                    if rule_covering(self.policy.deny_read, host):
+                    if secrets_below and rule_covering(
+                        secrets_below, posixpath.join(dir_real, name)
+                    ):
                         continue
                     relative = posixpath.join(rel_dir, name) if rel_dir else name
-                    guest = posixpath.join(mapped.guest, relative)
-                    data = self._walk_read(dirfd, name, host, mapped, with_content)
-                    if data is False:
-                        continue
-                    yield guest, relative, data if isinstance(data, bytes) else None
+                    data = _walk_read(dirfd, name, with_content)
+                    if data is not None:
+                        content = data if with_content else None
+                        yield posixpath.join(mapped.guest, relative), relative, content
         finally:
             os.close(root_fd)
 
-    def _walk_read(
-        self, dirfd: int, name: str, host: str, mapped: GuestPath, with_content: bool
-    ) -> bytes | bool:
-        """The file's bytes (or True without content); False to skip it."""
+
+def _walk_read(dirfd: int, name: str, with_content: bool) -> bytes | None:
+    """A walked file's bytes (b"" without content); None to skip it (a link, not regular, gone,
+    too large or binary)."""
+    if not with_content:
         try:
-            fd = os.open(name, _READ_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+            info = os.stat(name, dir_fd=dirfd, follow_symlinks=False)
         except OSError:
-            return False  # a link, gone, or unreadable: searches skip it
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                return False
-            real = real_path(fd, host)
-            if rule_covering(self.policy.deny_read, real) or (
-                posixpath.commonpath([real, mapped.mount.host_path]) != mapped.mount.host_path
-            ):
-                return False
-            if not with_content:
-                return True
-            if info.st_size > MAX_SEARCH_FILE_BYTES:
-                return False
-            data = os.read(fd, MAX_SEARCH_FILE_BYTES + 1)
-            if len(data) > MAX_SEARCH_FILE_BYTES or b"\x00" in data[:BINARY_SNIFF_BYTES]:
-                return False
-            return data
-        finally:
-            os.close(fd)
+            return None
+        return b"" if stat.S_ISREG(info.st_mode) else None
+    try:
+        fd = os.open(name, _READ_FLAGS | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dirfd)
+    except OSError:
+        return None  # a link, gone, or unreadable: searches skip it
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_SEARCH_FILE_BYTES:
+            return None
+        data = os.read(fd, MAX_SEARCH_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_SEARCH_FILE_BYTES or b"\x00" in data[:BINARY_SNIFF_BYTES]:
+        return None
+    return data
 
 
 def _exists_at(target: _Target) -> bool:
