@@ -6,8 +6,11 @@ Prints the median wall time of:
   bwrap     raw bwrap with the same namespaces cc-server uses, running /bin/true
   nobridge  the same bwrap plan cc-server builds, without the egress bridge, run directly
   library   cc-server native exec of /bin/true through the library API (warm process), which
-            includes the egress bridge (socat listeners in the sandbox) every native exec gets
-  cli       `cc-server run -- /bin/true` as a new process
+            includes the egress handoff (the launcher's loopback listeners given to the session's
+            proxies) every native exec gets
+  cli       `cc-server run -- /bin/true` as a new process: the thin client, served by the user's
+            CLI daemon (started by the warm-up run, stopped at the end)
+  cli-inproc  the same with CC_SERVER_DAEMON=off: everything in the new process
 each as a ratio to raw bwrap. Targets: library <= 1.5x raw bwrap; CLI <= 100 ms median.
 
 Usage: .venv/bin/python bench/launch.py [--runs N]
@@ -87,20 +90,25 @@ def main() -> int:
                     "cli": lambda: subprocess.run(
                         [cli_bin, "run", "--bind", work, "--", "/bin/true"], check=True
                     ),
+                    "cli-inproc": lambda: subprocess.run(
+                        [cli_bin, "run", "--bind", work, "--", "/bin/true"], check=True,
+                        env={**os.environ, "CC_SERVER_DAEMON": "off"},
+                    ),
                 },
                 runs,
             )
         finally:
             loop.run_until_complete(manager.aclose())
             loop.close()
+            subprocess.run([cli_bin, "daemon", "stop"], check=False, stdout=subprocess.DEVNULL)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     raw_bwrap, lib, cli = medians["bwrap"], medians["library"], medians["cli"]
     print(f"runs per case: {runs} (median wall time; the cases take turns)")
-    print(f"{'case':<10}{'median ms':>12}{'x raw bwrap':>14}")
+    print(f"{'case':<12}{'median ms':>12}{'x raw bwrap':>14}")
     for name, value in medians.items():
-        print(f"{name:<10}{value * 1000:>12.2f}{value / raw_bwrap:>14.2f}")
+        print(f"{name:<12}{value * 1000:>12.2f}{value / raw_bwrap:>14.2f}")
     print(f"library/bwrap = {lib / raw_bwrap:.2f} (target <= 1.5); "
           f"cli = {cli * 1000:.1f} ms (target <= 100)")
     return 0

@@ -6,9 +6,9 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from cc_server.backends.egress_bridge import HTTP_PROXY_PORT, SOCKS_PROXY_PORT
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan
@@ -27,7 +27,10 @@ from cc_server.policy import (
 )
 from cc_server.runtime.select import choose_backend, planner_for
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from cc_server.runtime.handle import SandboxHandle
+
+__all__ = ["build_spec", "command_argv", "command_env", "main", "parser", "print_violations"]
 
 # Ordinary variables `run` passes through from the caller; never tokens, keys or passwords.
 PASSTHROUGH_ENV = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
@@ -94,7 +97,7 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="cc-server", description=__doc__)
     sub = parser.add_subparsers(dest="verb", required=True)
     p_probe = sub.add_parser("probe", help="report which sandbox backend this host offers")
@@ -122,6 +125,10 @@ def _parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     p_serve.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p_serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    p_daemon = sub.add_parser(
+        "daemon", help="the CLI daemon that serves `run` (started on first use; "
+        "CC_SERVER_DAEMON=off runs without it)")
+    p_daemon.add_argument("action", choices=["stop"], help="stop: exit once its commands are done")
     return parser
 
 
@@ -141,7 +148,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return run_server(config)
 
 
-def _spec(args: argparse.Namespace) -> SandboxSpec:
+def build_spec(args: argparse.Namespace) -> SandboxSpec:
+    """The spec `run` and `plan` use: `--spec FILE`, then the options added to it."""
     data: dict[str, Any] = {}
     if args.spec:
         try:
@@ -171,7 +179,8 @@ def _spec(args: argparse.Namespace) -> SandboxSpec:
     return parse_spec(data)
 
 
-def _command(args: argparse.Namespace) -> list[str]:
+def command_argv(args: argparse.Namespace) -> list[str]:
+    """The command after `--`."""
     argv = list(args.command)
     if argv and argv[0] == "--":
         argv = argv[1:]
@@ -180,9 +189,13 @@ def _command(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def _env(args: argparse.Namespace) -> dict[str, str]:
-    env = {k: os.environ[k] for k in PASSTHROUGH_ENV if k in os.environ}
-    env.update({k: v for k, v in os.environ.items() if k.startswith("LC_")})
+def command_env(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> dict[str, str]:
+    """The command's environment: the ordinary variables of `environ` (the caller's), then
+    `--env`."""
+    env = {k: environ[k] for k in PASSTHROUGH_ENV if k in environ}
+    env.update({k: v for k, v in environ.items() if k.startswith("LC_")})
     env.update(dict(args.env))
     return env
 
@@ -203,7 +216,7 @@ def _plan(
     `host` and `temp_dir` stand in for this host's facts (`plan --platform` on another OS)."""
     host = HostFacts.current() if host is None else host
     backend = _backend(args, result)
-    spec = _spec(args)
+    spec = build_spec(args)
     policy = compile_policy(spec, host, deny_create_globs=args.deny_create)
     bridge = None
     if backend is SandboxBackend.NATIVE and result.mechanism in ("bubblewrap", "seatbelt"):
@@ -214,7 +227,7 @@ def _plan(
         if result.mechanism == "seatbelt":  # a Mac's sandbox reaches the proxies on loopback
             bridge = EgressBridge(socket_dir=PLAN_SOCKET_DIR, http_port=HTTP_PROXY_PORT,
                                   socks_port=SOCKS_PROXY_PORT)
-    command = Command(argv=tuple(_command(args)), env=tuple(sorted(_env(args).items())),
+    command = Command(argv=tuple(command_argv(args)), env=tuple(sorted(command_env(args).items())),
                       egress=bridge)
     planner = planner_for(backend, result, host)
     if temp_dir is not None and isinstance(planner, partial):  # the stand-in temp dir
@@ -306,10 +319,10 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
 
     manager = SandboxManager(probe_result=result, host=HostFacts.current())
     requested = SandboxBackend(args.backend) if args.backend else None
-    handle = manager.launch(_spec(args), backend=requested, deny_create_globs=args.deny_create)
+    handle = manager.launch(build_spec(args), backend=requested, deny_create_globs=args.deny_create)
     stream = args.events == "json"
     try:
-        execution = handle.exec(_command(args), env=_env(args), inherit_stdio=not stream,
+        execution = handle.exec(command_argv(args), env=command_env(args), inherit_stdio=not stream,
                                 timeout_s=args.timeout)
         async with execution:
             async for event in execution:
@@ -318,19 +331,31 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
                     sys.stdout.flush()
                 elif event.type is EventType.KILLED:
                     print(f"cc-server: command killed ({event.reason})", file=sys.stderr)
-        for violation in handle.violations:
-            hint = (f" (capability {violation.suggested_capability} would allow it)"
-                    if violation.suggested_capability else "")
-            print(f"cc-server: violation: {violation.action} {violation.target}{hint}",
-                  file=sys.stderr)
+        print_violations(handle, sys.stderr)
         return await execution.wait()
     finally:
         await manager.aclose()
 
 
+def print_violations(handle: SandboxHandle, file: TextIO) -> None:
+    """One line per violation of the run, with the capability that would allow it."""
+    for violation in handle.violations:
+        hint = (f" (capability {violation.suggested_capability} would allow it)"
+                if violation.suggested_capability else "")
+        print(f"cc-server: violation: {violation.action} {violation.target}{hint}", file=file)
+
+
+def _cmd_daemon(args: argparse.Namespace) -> int:
+    from cc_server.cli_client import stop_daemon
+
+    stopped = stop_daemon()
+    print("cc-server: the CLI daemon is stopping" if stopped else "cc-server: no CLI daemon runs")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cc-server` console script."""
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     try:
         if args.verb == "probe":
             return _cmd_probe(args)
@@ -338,6 +363,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.verb == "serve":
             return _cmd_serve(args)
+        if args.verb == "daemon":
+            return _cmd_daemon(args)
         return _cmd_run(args)
     except CcServerError as exc:
         print(f"cc-server: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -16,10 +16,8 @@ import secrets
 import shutil
 import signal
 import socket
-import stat
-import tempfile
-from collections.abc import Callable, Iterable, Mapping
-from typing import Final, Protocol
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from cc_server.backends.plan import EgressBridge
 from cc_server.egress.driver import (
@@ -32,6 +30,7 @@ from cc_server.egress.driver import (
 )
 from cc_server.egress.patterns import Allowlist
 from cc_server.errors import EnforcementFailed
+from cc_server.rundir import egress_base_dir
 from cc_server.runtime.events import SandboxViolation
 
 __all__ = [
@@ -55,39 +54,6 @@ class Monitor(Protocol):
         ...
 
 _SESSION_DIR = re.compile(r"^egress-(?P<pid>\d+)-[0-9a-f]{16}$")
-BASE_DIR_NAME: Final = "cc-server"
-
-
-def egress_base_dir(
-    environ: Mapping[str, str] = os.environ, tmp_dir: str | None = None
-) -> str:
-    """The private base directory for session sockets: `$XDG_RUNTIME_DIR/cc-server` when that is
-    set, else `<tmp>/cc-server-<uid>`. Created 0700; refused unless it is ours and private.
-
-    Raises:
-        EnforcementFailed: the directory exists but belongs to someone else or is open to others.
-    """
-    runtime = environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime) and os.path.isdir(runtime):
-        base = os.path.join(runtime, BASE_DIR_NAME)
-    else:
-        tmp = tmp_dir if tmp_dir is not None else tempfile.gettempdir()
-        base = os.path.join(tmp, f"{BASE_DIR_NAME}-{os.geteuid()}")
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(base, 0o700)
-    info = os.lstat(base)
-    if (
-        not stat.S_ISDIR(info.st_mode)
-        or info.st_uid != os.geteuid()
-        or stat.S_IMODE(info.st_mode) & 0o077
-    ):
-        raise EnforcementFailed(
-            f"{base} is not a private directory owned by this user",
-            fix=f"remove {base} (someone else may have created it) and start again",
-        )
-    return base
-
-
 def remove_stale_session_dirs(base: str) -> list[str]:
     """Remove session directories whose server process no longer exists; return what was removed.
 

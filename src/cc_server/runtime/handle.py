@@ -122,13 +122,14 @@ class SandboxHandle:
         cwd: str | None = None,
         stdin: bytes | None = None,
         interactive_stdin: bool = False,
-        inherit_stdio: bool = False,
+        inherit_stdio: bool | tuple[int, int, int] = False,
         timeout_s: float | None = None,
     ) -> Execution:
         """Prepare `argv` to run in the sandbox; use `async with` (or `run()`) to start it.
 
         `stdin` bytes are written then closed; `interactive_stdin` keeps a pipe open for
-        `Execution.write_stdin`; `inherit_stdio` passes the server's own stdio (a TTY) through and
+        `Execution.write_stdin`; `inherit_stdio` passes the server's own stdio (a TTY) through, or the three
+        given descriptors (stdin, stdout, stderr; the caller keeps and closes them), and
         then only `starting`, `ready`, `violation`, `killed` and `exit` are emitted.
 
         Raises:
@@ -136,7 +137,7 @@ class SandboxHandle:
         """
         if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):
             raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
-        if inherit_stdio and (stdin is not None or interactive_stdin):
+        if inherit_stdio is not False and (stdin is not None or interactive_stdin):
             raise BadSpec("inherit_stdio cannot be combined with stdin data")
         command = Command(
             argv=tuple(argv), env=tuple(sorted((env or {}).items())), cwd=cwd
@@ -205,7 +206,7 @@ class Execution:
         command: Command,
         stdin: bytes | None,
         interactive_stdin: bool,
-        inherit_stdio: bool,
+        inherit_stdio: bool | tuple[int, int, int],
         timeout_s: float | None,
     ) -> None:
         self.handle = handle
@@ -213,7 +214,10 @@ class Execution:
         self.command = command
         self._stdin_data = stdin
         self._interactive = interactive_stdin
-        self._inherit = inherit_stdio
+        self._inherit = inherit_stdio is not False
+        self._stdio: tuple[int | None, ...] = (
+            inherit_stdio if isinstance(inherit_stdio, tuple) else (None, None, None)
+        )
         self._timeout_s = timeout_s
         self._queue: asyncio.Queue[SandboxEvent] = asyncio.Queue(EVENT_QUEUE_SIZE)
         self._proc: asyncio.subprocess.Process | None = None
@@ -243,7 +247,7 @@ class Execution:
         await self._queue.put(self._event(EventType.STARTING))
         pipe = asyncio.subprocess.PIPE
         stdin_mode = (
-            None if self._inherit
+            self._stdio[0] if self._inherit
             else pipe if (self._stdin_data is not None or self._interactive)
             else asyncio.subprocess.DEVNULL
         )
@@ -257,8 +261,8 @@ class Execution:
                 self._proc, self._transport = await start(
                     plan,
                     stdin=stdin_mode,
-                    stdout=None if self._inherit else pipe,
-                    stderr=None if self._inherit else pipe,
+                    stdout=self._stdio[1] if self._inherit else pipe,
+                    stderr=self._stdio[2] if self._inherit else pipe,
                     fds={name: theirs.fileno() for name, (_, theirs) in pairs.items()},
                 )
             finally:

@@ -1,0 +1,278 @@
+"""The user's CLI daemon: runs `cc-server run` for the thin client in `cli_client.py`.
+
+    python -m cc_server.cli_daemon SOCKET_PATH
+
+It probes once, listens on SOCKET_PATH (in the private runtime directory; only its own user may
+connect, checked with SO_PEERCRED), and serves each client like `cc-server run` in the client's
+own process would: the same argument parser, the spec built in the client's working directory,
+the same environment passthrough (from the variables the client sent), one sandbox per request
+destroyed afterwards, the command's stdio being the client's own descriptors, violations and
+errors written to the client's stderr, the exit code sent back. A forwarded signal ends the
+command (SIGTERM first, then SIGKILL after a grace period); a client that goes away kills it.
+
+The socket is bound under a temporary name and hard-linked into place, so of two daemons started
+at once exactly one serves; the other exits. The daemon exits after `IDLE_EXIT_S` with no client,
+removing its socket (only if the name still points at its own).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import struct
+import sys
+from typing import Any, Final
+
+from cc_server.cli_client import receive_message, send_message
+
+__all__ = ["main"]
+
+IDLE_EXIT_S: Final = 300.0
+MESSAGE_TIMEOUT_S: Final = 5.0  # the rest of a message, once its first byte is readable
+SIGNAL_GRACE_S: Final = 2.0  # a forwarded signal: SIGTERM, then SIGKILL after this
+_PEERCRED: Final = struct.Struct("3i")
+
+
+class _Daemon:
+    def __init__(self, path: str, listener: socket.socket) -> None:
+        from cc_server.backends.probe import probe
+        from cc_server.policy import HostFacts
+        from cc_server.runtime.port import SandboxManager
+
+        self.path = path
+        self.listener = listener
+        self.identity = os.stat(path).st_ino
+        self.manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
+        self.active = 0
+        self.stopping = False
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            accepting = tg.create_task(self._accept(loop, tg))
+            while not self.stopping:
+                await self.idle.wait()
+                try:
+                    async with asyncio.timeout(IDLE_EXIT_S):
+                        while self.idle.is_set() and not self.stopping:
+                            await asyncio.sleep(1)
+                except TimeoutError:
+                    break
+            accepting.cancel()
+        self._unlink()
+        await self.manager.aclose()
+
+    def _unlink(self) -> None:
+        with contextlib.suppress(OSError):
+            if os.stat(self.path).st_ino == self.identity:
+                os.unlink(self.path)
+
+    async def _accept(self, loop: asyncio.AbstractEventLoop, tg: asyncio.TaskGroup) -> None:
+        self.listener.setblocking(False)
+        while True:
+            client, _ = await loop.sock_accept(self.listener)
+            uid = _PEERCRED.unpack(
+                client.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )[1]
+            if uid != os.geteuid():
+                client.close()
+                continue
+            self.active += 1
+            self.idle.clear()
+            tg.create_task(self._client(client))
+
+    async def _client(self, client: socket.socket) -> None:
+        fds: list[int] = []
+        try:
+            client.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await _readable(loop, client)
+            client.settimeout(MESSAGE_TIMEOUT_S)  # a client that stalls mid-message is dropped
+            request, fds = receive_message(client, max_fds=3)
+            client.setblocking(False)
+            if request.get("stop"):
+                self.stopping = True
+                send_message(client, {"stopping": True})
+                return
+            if len(fds) != 3:
+                return
+            code = await self._run(client, request, (fds[0], fds[1], fds[2]))
+            with contextlib.suppress(OSError):
+                client.settimeout(MESSAGE_TIMEOUT_S)
+                send_message(client, {"exit": code})
+        except (EOFError, ValueError, OSError):
+            pass
+        finally:
+            for fd in fds:
+                os.close(fd)
+            client.close()
+            self.active -= 1
+            if self.active == 0:
+                self.idle.set()
+
+    async def _run(
+        self, client: socket.socket, request: dict[str, Any], stdio: tuple[int, int, int]
+    ) -> int:
+        from cc_server import cli
+        from cc_server.errors import BadSpec, CcServerError
+        from cc_server.policy import SandboxBackend
+
+        err = os.fdopen(os.dup(stdio[2]), "w", buffering=1, closefd=True)
+        with err:
+            try:
+                args, spec = _parse(request, err)
+            except SystemExit as exc:  # argparse's usage errors, already printed to `err`
+                return exc.code if isinstance(exc.code, int) else cli.EXIT_USAGE
+            except CcServerError as exc:
+                print(f"cc-server: {type(exc).__name__}: {exc}", file=err)
+                return cli.EXIT_USAGE if isinstance(exc, BadSpec) else cli.EXIT_REFUSED
+            env = request.get("env")
+            environ = env if isinstance(env, dict) else {}
+            requested = SandboxBackend(args.backend) if args.backend else None
+            handle = None
+            try:
+                handle = self.manager.launch(
+                    spec, backend=requested, deny_create_globs=args.deny_create
+                )
+                execution = handle.exec(
+                    cli.command_argv(args), env=cli.command_env(args, environ),
+                    inherit_stdio=stdio, timeout_s=args.timeout,
+                )
+                async with execution:
+                    watcher = asyncio.create_task(_watch_client(client, execution))
+                    try:
+                        code = await execution.wait()
+                    finally:
+                        watcher.cancel()
+                        await asyncio.wait([watcher])
+                cli.print_violations(handle, err)
+                return code
+            except CcServerError as exc:
+                print(f"cc-server: {type(exc).__name__}: {exc}", file=err)
+                return cli.EXIT_USAGE if isinstance(exc, BadSpec) else cli.EXIT_REFUSED
+            finally:
+                if handle is not None:
+                    await self.manager.destroy(handle.session_id)
+
+
+def _parse(request: dict[str, Any], err: Any) -> tuple[Any, Any]:
+    """Parse the client's arguments and build its spec in its working directory (relative
+    `--bind`, `--spec`, `--workdir` paths are the client's). Synchronous: nothing else runs on
+    the loop while the directory is changed."""
+    from cc_server import cli
+
+    argv, cwd = request.get("argv"), request.get("cwd")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv):
+        raise ValueError("argv is not a list of strings")
+    if not isinstance(cwd, str) or not os.path.isabs(cwd):
+        raise ValueError("cwd is not an absolute path")
+    here = os.getcwd()
+    saved = sys.stdout, sys.stderr
+    try:
+        os.chdir(cwd)
+        sys.stdout = sys.stderr = err  # argparse prints its usage errors here
+        args = cli.parser().parse_args(argv)
+        return args, cli.build_spec(args)
+    finally:
+        sys.stdout, sys.stderr = saved
+        os.chdir(here)
+
+
+async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
+
+
+async def _watch_client(client: socket.socket, execution: Any) -> None:
+    """A forwarded signal ends the command gracefully; the client going away kills it."""
+    loop = asyncio.get_running_loop()
+    while True:
+        await _readable(loop, client)
+        try:
+            client.settimeout(MESSAGE_TIMEOUT_S)
+            message, _ = receive_message(client)
+        except (EOFError, ValueError, OSError):
+            await execution.kill(reason="client gone")
+            return
+        finally:
+            client.setblocking(False)
+        if isinstance(message.get("signal"), int):
+            name = signal.Signals(message["signal"]).name
+            await execution.terminate(SIGNAL_GRACE_S, reason=name)
+
+
+def _listen(path: str) -> socket.socket | None:
+    """Bind under a temporary name, then hard-link into place: None if another daemon won."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        old_umask = os.umask(0o177)
+        try:
+            sock.bind(temporary)
+        finally:
+            os.umask(old_umask)
+        try:
+            sock.listen(64)
+            for _ in range(2):
+                try:
+                    os.link(temporary, path)
+                    return sock
+                except FileExistsError:
+                    if _answers(path):
+                        break  # a live daemon serves this path
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)  # a dead daemon's socket
+        finally:
+            os.unlink(temporary)
+    except BaseException:
+        sock.close()
+        raise
+    sock.close()
+    return None
+
+
+def _answers(path: str) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or not os.path.isabs(args[0]):
+        print("usage: python -m cc_server.cli_daemon SOCKET_PATH", file=sys.stderr)
+        return 2
+    listener = _listen(args[0])
+    if listener is None:
+        return 0
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    with listener:
+        asyncio.run(_serve(args[0], listener))
+    return 0
+
+
+async def _serve(path: str, listener: socket.socket) -> None:
+    await _Daemon(path, listener).serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,243 @@
+"""`cc-server run` through the CLI daemon: the same sandbox and the same answers as the in-process
+run, on the client's own descriptors, and a daemon nobody else can use or wedge.
+
+Every test gets its own XDG_RUNTIME_DIR (so its own daemon) and stops that daemon afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+CLI_TIMEOUT_S = 60.0
+PROMPT_S = 10.0
+
+
+def daemon_pids(runtime: pathlib.Path) -> list[int]:
+    """The daemons serving sockets under `runtime` (their argv names the socket path)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"cc_server.cli_daemon" in argv and any(str(runtime).encode() in a for a in argv):
+            found.append(int(entry))
+    return found
+
+
+def wait_for(predicate: object, timeout: float = PROMPT_S) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def runtime() -> Iterator[pathlib.Path]:
+    # Short: the session sockets under it must fit a Unix socket path.
+    path = pathlib.Path(tempfile.mkdtemp(prefix="ccd-", dir="/tmp"))
+    try:
+        yield path
+        for pid in daemon_pids(path):
+            os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: not daemon_pids(path))
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def env(tmp_path: pathlib.Path, runtime: pathlib.Path) -> dict[str, str]:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519").write_text("CC-DAEMON-SECRET\n")
+    return {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_RUNTIME_DIR": str(runtime)}
+
+
+def client(
+    *args: str, env: dict[str, str], cwd: pathlib.Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "cc_server.cli_client", *args],
+        env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+        timeout=CLI_TIMEOUT_S, check=False,
+    )  # fmt: skip
+
+
+def sockets(runtime: pathlib.Path) -> list[pathlib.Path]:
+    base = runtime / "cc-server"
+    return sorted(base.glob("cli-*.sock")) if base.exists() else []
+
+
+def test_a_run_through_the_daemon_is_the_same_sandbox(
+    env: dict[str, str], runtime: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    script = (
+        "echo out; echo err >&2; echo made > made.txt; "
+        "cat $HOME/.ssh/id_ed25519 || echo secret-hidden; "
+        "curl -s -o /dev/null -m 5 http://not-allowed.example/; "
+        "echo term=$TERM; exit 7"
+    )
+    proc = client(
+        "run", "--bind", ".", "--env", "X=1", "--", "sh", "-c", script,
+        env={**env, "TERM": "xterm-test", "SECRET_TOKEN": "nope"}, cwd=work,
+    )  # fmt: skip
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout.splitlines() == ["out", "secret-hidden", "term=xterm-test"]
+    assert "err" in proc.stderr.splitlines()
+    assert "CC-DAEMON-SECRET" not in proc.stdout + proc.stderr
+    assert "violation: network-outbound not-allowed.example:80" in proc.stderr
+    assert (work / "made.txt").read_text() == "made\n"  # the relative --bind was the client's
+    # It was the daemon: one serves this runtime dir, on a private socket.
+    [path] = sockets(runtime)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    [pid] = daemon_pids(runtime)
+    # The next run is served by the same daemon.
+    again = client("run", "--", "sh", "-c", "echo again", env=env)
+    assert again.returncode == 0 and again.stdout == "again\n", again.stderr
+    assert daemon_pids(runtime) == [pid]
+
+
+def test_errors_and_usage_reach_the_clients_stderr(env: dict[str, str]) -> None:
+    bad = client("run", "--bind", "/does/not/exist", "--", "true", env=env)
+    assert bad.returncode == 2 and "BadSpec" in bad.stderr, bad.stderr
+    usage = client("run", "--mode", "nonsense", "--", "true", env=env)
+    assert usage.returncode == 2 and "invalid choice" in usage.stderr, usage.stderr
+    refused = client("run", "--backend", "microvm", "--", "true", env=env)
+    assert refused.returncode in (0, 125), refused.stderr  # no VM here: refused, never run
+    if refused.returncode == 125:
+        assert "BackendUnavailable" in refused.stderr
+
+
+def test_sigterm_to_the_client_ends_the_command(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    marker = tmp_path / "work"
+    marker.mkdir()
+    proc = _sleeper(env, marker)
+    try:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=PROMPT_S) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    assert wait_for(lambda: not _sandboxed_sleepers(marker))
+
+
+def test_a_killed_client_takes_its_command_with_it(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    marker = tmp_path / "work"
+    marker.mkdir()
+    proc = _sleeper(env, marker)
+    proc.kill()
+    proc.wait()
+    assert wait_for(lambda: not _sandboxed_sleepers(marker))
+
+
+def _sleeper(env: dict[str, str], marker: pathlib.Path) -> subprocess.Popen[bytes]:
+    """A client running `sleep 60` in a sandbox that binds `marker`, once it runs."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cc_server.cli_client", "run", "--bind", str(marker), "--",
+         "sh", "-c", f"echo started > {marker}/started; exec sleep 60"],
+        env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert wait_for(lambda: (marker / "started").exists())
+    assert _sandboxed_sleepers(marker)  # control: the command runs
+    return proc
+
+
+def _sandboxed_sleepers(marker: pathlib.Path) -> list[int]:
+    """bwrap processes whose argv binds `marker` (the sandboxes of these tests)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if argv and argv[0].endswith(b"bwrap") and str(marker).encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_garbage_on_the_socket_does_not_wedge_the_daemon(
+    env: dict[str, str], runtime: pathlib.Path
+) -> None:
+    assert client("run", "--", "true", env=env).returncode == 0
+    [path] = sockets(runtime)
+    for junk in (b"\xff\xff\xff\xff", struct.pack("!I", 5) + b"[1,2]", b"\x00\x00", b""):
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.connect(str(path))
+            sock.sendall(junk)
+            sock.shutdown(socket.SHUT_WR)
+            sock.settimeout(PROMPT_S)
+            assert sock.recv(100) == b""  # dropped, no answer
+    # A request without descriptors is dropped too.
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.connect(str(path))
+        body = json.dumps({"argv": ["run", "--", "true"], "cwd": "/", "env": {}}).encode()
+        sock.sendall(struct.pack("!I", len(body)) + body)
+        sock.settimeout(PROMPT_S)
+        assert sock.recv(100) == b""
+    ok = client("run", "--", "sh", "-c", "echo still", env=env)
+    assert ok.returncode == 0 and ok.stdout == "still\n", ok.stderr
+
+
+def test_another_user_cannot_reach_the_daemon(env: dict[str, str], runtime: pathlib.Path) -> None:
+    assert client("run", "--", "true", env=env).returncode == 0
+    [path] = sockets(runtime)
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child)
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            with socket.socket(socket.AF_UNIX) as sock:
+                sock.connect(str(path))
+            code = 1  # connected: the escape worked
+        except PermissionError:
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_daemon_stop_and_off(env: dict[str, str], runtime: pathlib.Path) -> None:
+    assert client("run", "--", "true", env=env).returncode == 0
+    assert len(daemon_pids(runtime)) == 1
+    stopped = client("daemon", "stop", env=env)
+    assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stderr
+    assert wait_for(lambda: not daemon_pids(runtime) and not sockets(runtime))
+    # Off: the run happens in the client's process, and no daemon is started.
+    off = client("run", "--", "sh", "-c", "echo inproc", env={**env, "CC_SERVER_DAEMON": "off"})
+    assert off.returncode == 0 and off.stdout == "inproc\n", off.stderr
+    assert not daemon_pids(runtime) and not sockets(runtime)
+    nothing = client("daemon", "stop", env=env)
+    assert nothing.returncode == 0 and "no CLI daemon" in nothing.stdout
