@@ -128,9 +128,9 @@ class SandboxHandle:
         """Prepare `argv` to run in the sandbox; use `async with` (or `run()`) to start it.
 
         `stdin` bytes are written then closed; `interactive_stdin` keeps a pipe open for
-        `Execution.write_stdin`; `inherit_stdio` passes the server's own stdio (a TTY) through, or the three
-        given descriptors (stdin, stdout, stderr; the caller keeps and closes them), and
-        then only `starting`, `ready`, `violation`, `killed` and `exit` are emitted.
+        `Execution.write_stdin`; `inherit_stdio` passes the server's own stdio (a TTY) through,
+        or the three given descriptors (stdin, stdout, stderr; the caller keeps and closes
+        them), and then only `starting`, `ready`, `violation`, `killed` and `exit` are emitted.
 
         Raises:
             BadSpec: the handle is destroyed or in error, or the options conflict.
