@@ -442,6 +442,18 @@ def test_ordinary_work_in_the_worktree_still_works(tree: Tree) -> None:
         [f"{tree.wt}/pkg/mod.py", f"{tree.wt}/pkg/new.py", f"{tree.wt}/src/main.py"]
     )
     assert ft.search_files("hello") == [f"{tree.wt}/src/main.py"]
+    # Not-a-file targets are errors, not crashes, and change nothing.
+    os.mkfifo(tree.wt / "fifo")
+    for call in (
+        lambda: ft.write("src", "x"),
+        lambda: ft.read("src"),
+        lambda: ft.edit("src", "a", "b"),
+        lambda: ft.write("fifo", "x"),
+        lambda: ft.read("fifo"),
+        lambda: ft.write("harmless.txt/below", "x"),
+    ):
+        with pytest.raises(FileToolError):
+            call()
     # .git is never searched; the home bind is searchable but its secrets are skipped.
     assert ft.find("pre-commit") == []
     found = ft.search(".", str(tree.home))

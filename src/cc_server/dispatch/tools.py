@@ -327,7 +327,9 @@ class FileTools:
                 raise self._refuse(
                     action, f"{target.mapped.guest!r} is a symbolic link; writes never follow one"
                 ) from None
-            raise
+            if exc.errno == errno.ENOENT:
+                raise  # the caller may create it
+            raise self._os_error(action, target.mapped.guest, exc) from None
         try:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
@@ -365,11 +367,9 @@ class FileTools:
             except OSError as exc:
                 raise self._os_error(action, target.mapped.guest, exc) from None
         try:
-            os.ftruncate(fd, 0)
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
+            _replace_content(fd, data)
+        except OSError as exc:
+            raise self._os_error(action, target.mapped.guest, exc) from None
         finally:
             os.close(fd)
 
@@ -479,11 +479,10 @@ class FileTools:
                         fix="give more context so it is unique, or the right count",
                     )
                 data = text.replace(old, new).encode("utf-8", errors="surrogateescape")
-                os.lseek(fd, 0, os.SEEK_SET)
-                os.ftruncate(fd, 0)
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
+                try:
+                    _replace_content(fd, data)
+                except OSError as exc:
+                    raise self._os_error(action, mapped.guest, exc) from None
             finally:
                 os.close(fd)
 
@@ -685,6 +684,15 @@ def _walk_read(dirfd: int, name: str, with_content: bool) -> bytes | None:
     if len(data) > MAX_SEARCH_FILE_BYTES or b"\x00" in data[:BINARY_SNIFF_BYTES]:
         return None
     return data
+
+
+def _replace_content(fd: int, data: bytes) -> None:
+    """Make the open file hold exactly `data`."""
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.ftruncate(fd, 0)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def _exists_at(target: _Target) -> bool:
