@@ -458,3 +458,15 @@ def test_ordinary_work_in_the_worktree_still_works(tree: Tree) -> None:
     assert ft.find("pre-commit") == []
     found = ft.search(".", str(tree.home))
     assert tree.marker not in repr(found)
+
+
+def test_a_backtracking_pattern_cannot_hold_the_server(tree: Tree) -> None:
+    """Searches run in the server process: a catastrophic pattern ends with an error."""
+    (tree.wt / "bait.txt").write_text(("a" * 3000 + "b\n") * 3)
+    spec_tools = tree.tools()
+    ft = FileTools(
+        spec_tools.policy, spec_tools.chain, resolver=tree.resolver, search_timeout_s=0.5
+    )
+    for call in (lambda: ft.search(r"(a+)+$"), lambda: ft.search_files(r"(a|aa)+c")):
+        with pytest.raises(FileToolError, match="longer than"):
+            call()

@@ -22,11 +22,13 @@ import errno
 import fnmatch
 import os
 import posixpath
-import re
 import stat
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
+
+import regex
 
 from cc_server.dispatch._paths import (
     GuestPath,
@@ -65,6 +67,7 @@ MAX_SEARCH_FILE_BYTES: Final = 4 * 1024 * 1024  # larger files are skipped by th
 MAX_SEARCH_RESULTS: Final = 2000  # matches (or paths) returned by one search
 MAX_SEARCH_LINE_CHARS: Final = 4096  # longer lines are searched up to this length only
 MAX_PATTERN_CHARS: Final = 1000  # a longer regex is refused (bounds compile and match cost)
+SEARCH_TIMEOUT_S: Final = 10.0  # one search's matching, all files together (the server's CPU)
 MAX_WALK_ENTRIES: Final = 200_000  # directory entries one search visits at most
 BINARY_SNIFF_BYTES: Final = 8192  # a NUL in the first bytes marks a file as binary
 GIT_DIR_NAME: Final = ".git"  # the file tools never write one, at any depth
@@ -119,10 +122,12 @@ class FileTools:
         chain: GuardrailChain,
         *,
         resolver: Resolver | None = None,
+        search_timeout_s: float = SEARCH_TIMEOUT_S,
     ) -> None:
         self.policy = policy
         self.chain = chain
         self.resolver = resolver or default_resolver()
+        self.search_timeout_s = search_timeout_s
 
     # --- checks --------------------------------------------------------------------------------
 
@@ -568,13 +573,36 @@ class FileTools:
         self, kind: ActionKind, pattern: str, path: str | None, *, first_only: bool
     ) -> list[SearchMatch]:
         """Matching lines below `path` (only each file's first with `first_only`), bounded."""
-        regex = _compile(pattern)
+        compiled = _compile(pattern)
+        # One pass over the whole file first (^ and $ at line ends) skips files without a match;
+        # patterns whose meaning depends on being given one line at a time are not prefiltered.
+        prefilter = None if _LINE_ONLY.search(pattern) else _compile(pattern, regex.MULTILINE)
+        deadline = time.monotonic() + self.search_timeout_s
+
+        def search(compiled: regex.Pattern[str], text: str) -> bool:
+            try:
+                timeout = max(deadline - time.monotonic(), 0.0)
+                return compiled.search(text, timeout=timeout) is not None
+            except TimeoutError:
+                raise FileToolError(
+                    f"the search took longer than {self.search_timeout_s:g} s (a pattern that "
+                    "backtracks badly, or too much to search)",
+                    fix="use a simpler pattern or search a smaller directory",
+                ) from None
+
         matches: list[SearchMatch] = []
         for guest, data in self._walk_files(kind, path, with_content=True):
             assert data is not None
-            for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            # Lines end at '\n' (and '\r\n'), as the prefilter's ^ and $ see them.
+            content = data.decode("utf-8", "replace").replace("\r\n", "\n")
+            if prefilter is not None and not search(prefilter, content):
+                continue
+            lines = content.split("\n")
+            if lines and not lines[-1]:
+                lines.pop()
+            for number, line in enumerate(lines, 1):
                 text = line[:MAX_SEARCH_LINE_CHARS]
-                if regex.search(text):
+                if search(compiled, text):
                     matches.append(SearchMatch(path=guest, line=number, text=text))
                     if len(matches) >= MAX_SEARCH_RESULTS:
                         return matches
@@ -703,12 +731,16 @@ def _exists_at(target: _Target) -> bool:
     return True
 
 
-def _compile(pattern: str) -> re.Pattern[str]:
+# Anchors, lookarounds and flags that see a line's ends differently inside a whole file.
+_LINE_ONLY: Final = regex.compile(r"\\[AZzG`']|\(\?<?[=!]|\(\?[a-zA-Z]*[msw]")
+
+
+def _compile(pattern: str, flags: int = 0) -> regex.Pattern[str]:
     if not pattern or len(pattern) > MAX_PATTERN_CHARS:
         raise FileToolError(f"the pattern must be 1 to {MAX_PATTERN_CHARS} characters")
     try:
-        return re.compile(pattern)
-    except re.error as exc:
+        return regex.compile(pattern, flags)
+    except regex.error as exc:
         raise FileToolError(f"invalid regular expression: {exc}") from None
 
 
