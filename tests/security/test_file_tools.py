@@ -51,6 +51,15 @@ class Tree:
     def key(self) -> pathlib.Path:
         return self.home / ".ssh" / "id_ed25519"
 
+    def host(self) -> HostFacts:
+        """The real filesystem, with the fake home as $HOME."""
+        return HostFacts(
+            platform=Platform.LINUX,
+            home=str(self.home),
+            realpath=os.path.realpath,
+            exists=os.path.lexists,
+        )
+
     def tools(self, mode: Mode = Mode.CHAT, **kw: object) -> FileTools:
         spec = SandboxSpec(
             session_id="s1",
@@ -64,13 +73,7 @@ class Tree:
             mode=mode,
             protected_paths=(str(self.repo),),
         )
-        host = HostFacts(
-            platform=Platform.LINUX,
-            home=str(self.home),
-            realpath=os.path.realpath,
-            exists=os.path.lexists,
-        )
-        policy = compile_policy(spec, host, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
+        policy = compile_policy(spec, self.host(), deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
         extra = kw.pop("extra", ())
         return FileTools(policy, standard_chain(policy, extra=extra), resolver=self.resolver)  # type: ignore[arg-type]
 
@@ -470,3 +473,30 @@ def test_a_backtracking_pattern_cannot_hold_the_server(tree: Tree) -> None:
     for call in (lambda: ft.search(r"(a+)+$"), lambda: ft.search_files(r"(a|aa)+c")):
         with pytest.raises(FileToolError, match="longer than"):
             call()
+
+
+def test_a_bound_single_file_is_readable_and_a_link_in_its_place_is_not(tree: Tree) -> None:
+    notes = tree.root / "notes.txt"
+    notes.write_text("bound file\n")
+    policy = compile_policy(
+        SandboxSpec(
+            session_id="s1",
+            workspace_id="w1",
+            bind_mounts=(
+                SandboxBindMount(host_path=str(tree.wt)),
+                SandboxBindMount(host_path=str(notes), read_only=True),
+            ),
+            guest_workdir=str(tree.wt),
+        ),
+        tree.host(),
+    )
+    ft = FileTools(policy, standard_chain(policy), resolver=tree.resolver)
+    assert ft.read(str(notes)) == "bound file\n"
+    with pytest.raises(ActionRefused, match="read-only bind"):
+        ft.write(str(notes), "x")
+    # Swap the bound file for a link to the key: the bind's root is never reached through a link.
+    notes.unlink()
+    notes.symlink_to(tree.key)
+    with pytest.raises(ActionRefused) as info:
+        ft.read(str(notes))
+    assert tree.marker not in str(info.value)

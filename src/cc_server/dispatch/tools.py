@@ -213,12 +213,26 @@ class FileTools:
             os.close(fd)
 
     def _open_read(self, action: Action, mapped: GuestPath, flags: int) -> tuple[int, str]:
-        """Open the mapped path for reading below its bind; return the fd and its real path."""
-        with self._root(action, mapped.mount) as root:
+        """Open the mapped path for reading below its bind; return the fd and its real path.
+
+        The bind's root itself (a bound directory, or a bound single file) is opened from '/'
+        with no symlink anywhere on its path."""
+        if not mapped.relative:
+            root = os.open("/", _DIR_FLAGS | os.O_CLOEXEC)
             try:
-                fd = self.resolver.open_beneath(root, mapped.relative, flags)
+                fd = self.resolver.open_beneath(
+                    root, mapped.mount.host_path.lstrip("/"), flags, follow=False
+                )
             except OSError as exc:
                 raise self._os_error(action, mapped.guest, exc) from None
+            finally:
+                os.close(root)
+        else:
+            with self._root(action, mapped.mount) as root:
+                try:
+                    fd = self.resolver.open_beneath(root, mapped.relative, flags)
+                except OSError as exc:
+                    raise self._os_error(action, mapped.guest, exc) from None
         real = real_path(fd, mapped.host)
         try:
             self._check_real(action, real, mapped.mount, write=False, guest=mapped.guest)
