@@ -53,6 +53,7 @@ from cc_server.dispatch.harness import shell_argv
 from cc_server.dispatch.modes import tools_for_mode
 from cc_server.dispatch.service import DispatchRun
 from cc_server.errors import BadSpec, CcServerError, EnforcementFailed
+from cc_server.policy import Mode
 from cc_server.runtime.events import EventType, SandboxViolation
 from cc_server.runtime.handle import Execution
 
@@ -62,6 +63,7 @@ __all__ = [
     "AcpSession",
     "CcAcpClient",
     "ExecutionTransport",
+    "permission_for",
     "start_acp",
 ]
 
@@ -83,6 +85,19 @@ _KIND_TOOL: Final = {
     "think": None,  # no effect outside the agent
     "switch_mode": None,
 }
+
+
+def permission_for(mode: Mode, kind: str | None, *, network_allowed: bool) -> tuple[bool, str]:
+    """The mode's answer to an ACP permission request for a tool call of `kind`, and why.
+    Unknown kinds are refused."""
+    if kind not in _KIND_TOOL:
+        if kind == "fetch" and network_allowed:
+            return True, "network goes through the session's proxies and their allowlist"
+        return False, f"tool kind {kind!r} is not one the {mode} mode's policy allows"
+    tool = _KIND_TOOL[kind]
+    if tool is None or tool in tools_for_mode(mode):
+        return True, f"{mode} mode exposes the {tool or kind} tool"
+    return False, f"{mode} mode does not expose the {tool!r} tool"
 
 
 class ExecutionTransport:
@@ -215,15 +230,8 @@ class CcAcpClient:
 
     def decide(self, kind: str | None) -> tuple[bool, str]:
         """Whether the mode's policy allows a tool call of this ACP kind, and why."""
-        surface = tools_for_mode(self.run.mode)
-        if kind not in _KIND_TOOL:
-            if kind == "fetch" and self.run.handle.policy.network_allowed:
-                return True, "network goes through the session's proxies and their allowlist"
-            return False, f"tool kind {kind!r} is not one the {self.run.mode} mode's policy allows"
-        tool = _KIND_TOOL[kind]
-        if tool is None or tool in surface:
-            return True, f"{self.run.mode} mode exposes the {tool or kind} tool"
-        return False, f"{self.run.mode} mode does not expose the {tool!r} tool"
+        return permission_for(self.run.mode, kind,
+                              network_allowed=self.run.handle.policy.network_allowed)
 
     async def request_permission(
         self, session_id: str, tool_call: ToolCallUpdate, options: list[PermissionOption], **_: Any
