@@ -195,44 +195,41 @@ class FileTools:
 
     @contextlib.contextmanager
     def _root(self, action: Action, mount: Mount) -> Iterator[int]:
-        """The bind's root, opened with no symlink anywhere on its path."""
-        root = os.open("/", _DIR_FLAGS | os.O_CLOEXEC)
+        """The bind's root directory, opened with no symlink anywhere on its path."""
         try:
-            fd = self.resolver.open_beneath(
-                root, mount.host_path.lstrip("/"), _DIR_FLAGS, follow=False
-            )
+            fd = self._open_bind_root(mount, _DIR_FLAGS)
         except OSError as exc:
             raise self._refuse(
                 action, f"the bind root {mount.guest_path!r} cannot be opened safely ({exc})"
             ) from None
-        finally:
-            os.close(root)
         try:
             yield fd
         finally:
             os.close(fd)
+
+    def _open_bind_root(self, mount: Mount, flags: int) -> int:
+        """Open the bind's host path from '/' with no symlink anywhere on it (raises OSError)."""
+        slash = os.open("/", _DIR_FLAGS | os.O_CLOEXEC)
+        try:
+            return self.resolver.open_beneath(
+                slash, mount.host_path.lstrip("/"), flags, follow=False
+            )
+        finally:
+            os.close(slash)
 
     def _open_read(self, action: Action, mapped: GuestPath, flags: int) -> tuple[int, str]:
         """Open the mapped path for reading below its bind; return the fd and its real path.
 
         The bind's root itself (a bound directory, or a bound single file) is opened from '/'
         with no symlink anywhere on its path."""
-        if not mapped.relative:
-            root = os.open("/", _DIR_FLAGS | os.O_CLOEXEC)
-            try:
-                fd = self.resolver.open_beneath(
-                    root, mapped.mount.host_path.lstrip("/"), flags, follow=False
-                )
-            except OSError as exc:
-                raise self._os_error(action, mapped.guest, exc) from None
-            finally:
-                os.close(root)
-        else:
-            with self._root(action, mapped.mount) as root:
-                try:
+        try:
+            if not mapped.relative:
+                fd = self._open_bind_root(mapped.mount, flags)
+            else:
+                with self._root(action, mapped.mount) as root:
                     fd = self.resolver.open_beneath(root, mapped.relative, flags)
-                except OSError as exc:
-                    raise self._os_error(action, mapped.guest, exc) from None
+        except OSError as exc:
+            raise self._os_error(action, mapped.guest, exc) from None
         real = real_path(fd, mapped.host)
         try:
             self._check_real(action, real, mapped.mount, write=False, guest=mapped.guest)
