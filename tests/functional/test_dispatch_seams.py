@@ -109,6 +109,10 @@ async def test_without_a_backend_claude_goes_through_none_with_the_host_environm
         assert run.env["MY_SERVICE_TOKEN"] == SECRET_ENV["MY_SERVICE_TOKEN"]
         env = await run.harness.run("env")
         assert "MY_SERVICE_TOKEN" not in env.stdout and "DB_PASSWORD" not in env.stdout
+        # An ACP agent on `none` is sanitised too.
+        acp = await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.ACP)
+        assert acp.backend is SandboxBackend.NONE
+        assert not set(SECRET_ENV) & set(acp.env)
 
 
 async def test_a_real_acp_agent_completes_initialize_and_session_new_in_the_sandbox(
