@@ -77,9 +77,12 @@ def _open_nofollow(name: str, flags: int, mode: int, dirfd: int) -> int:
     try:
         return os.open(name, flags | os.O_NOFOLLOW, mode, dir_fd=dirfd)
     except NotADirectoryError:
-        with contextlib.suppress(OSError):
-            if stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode):
-                raise OSError(errno.ELOOP, "a symbolic link is never followed", name) from None
+        try:
+            is_link = stat.S_ISLNK(os.stat(name, dir_fd=dirfd, follow_symlinks=False).st_mode)
+        except OSError:
+            is_link = False
+        if is_link:
+            raise OSError(errno.ELOOP, "a symbolic link is never followed", name) from None
         raise
 
 
