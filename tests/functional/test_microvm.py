@@ -4,6 +4,7 @@ nested kind that cannot boot a guest), on KVM where the probe finds it works."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 import socket
@@ -17,6 +18,7 @@ from cc_server.microvm.image import default_cache_dir
 from cc_server.policy import SandboxBackend, parse_spec
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import run_collect
+from cc_server.terminal.service import TerminalSessionService
 
 pytestmark = [pytest.mark.integration]
 
@@ -164,3 +166,33 @@ async def test_suspended_vm_destroyed_leaves_nothing(tmp_path: pathlib.Path) -> 
     assert run_dir is not None and (run_dir / STATE_FILE).exists()
     await m.aclose()
     assert not run_dir.exists()
+
+
+async def test_terminal_runs_in_the_guest_pty(tmp_path: pathlib.Path) -> None:
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "key").write_text("TERMINAL-SECRET\n")
+    service = TerminalSessionService(manager(home))
+    try:
+        session = await service.open(backend=SandboxBackend.MICROVM, rows=30, cols=100)
+        assert session.backend is SandboxBackend.MICROVM
+        assert session.to_json()["backend"] == "microvm"
+        session.resize(40, 120)
+        await session.write(
+            b"uname -r; tty; stty size; pwd; cat ~/.ssh/key; echo T-$((1+1))-DONE\n"
+        )
+        out = ""
+        async with asyncio.timeout(60):
+            while "T-2-DONE\r\n" not in out:
+                out += (await session.read()).decode(errors="replace")
+        release = shared_runtime().pool.image.kernel_release  # type: ignore[union-attr]
+        assert release in out and "/dev/pts/" in out and "40 120" in out
+        assert str(home) in out and "TERMINAL-SECRET" not in out
+        pid = session.pid
+        await session.write(b"exit 4\n")
+        async with asyncio.timeout(60):
+            assert await session.wait() == 4
+        await service.aclose()
+        assert not alive(pid)
+    finally:
+        await service.aclose()

@@ -252,7 +252,7 @@ class MicroVMHandle(SandboxHandle):
         cwd: str | None = None,
         stdin: bytes | None = None,
         interactive_stdin: bool = False,
-        inherit_stdio: bool = False,
+        inherit_stdio: bool | tuple[int, int, int] = False,
         timeout_s: float | None = None,
         pty: tuple[int, int] | None = None,
     ) -> VmExecution:
@@ -264,7 +264,7 @@ class MicroVMHandle(SandboxHandle):
         """
         if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):
             raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
-        if inherit_stdio:
+        if inherit_stdio is not False:
             raise BadSpec("a microVM command cannot inherit the server's stdio")
         full_env = {**GUEST_ENV, **(env or {})}
         command = Command(argv=tuple(argv), env=tuple(sorted(full_env.items())),
@@ -384,6 +384,10 @@ class VmExecution(Execution):
         assert self._task_group is not None
         await self._task_group.__aexit__(None, None, None)
 
+    async def wait_done(self) -> None:
+        """Wait until the command has exited (its `exit` event queued), reading nothing."""
+        await self._done.wait()
+
     async def _signal(self, signum: int, reason: str) -> None:
         if self._killed_reason is None:
             self._killed_reason = reason
@@ -434,10 +438,13 @@ class VmExecution(Execution):
             with contextlib.suppress(AgentGone):
                 link.send(self._channel.channel, FrameType.EOF)
 
-    async def resize(self, rows: int, cols: int) -> None:
-        """A PTY command's window size."""
+    def set_window(self, rows: int, cols: int) -> None:
+        """A PTY command's window size (its foreground job gets SIGWINCH in the guest).
+
+        Raises:
+            AgentGone: the VM is not running.
+        """
         link = self.vm_handle._link
         if self._channel is not None and link is not None:
             link.send(self._channel.channel, FrameType.WINSIZE, struct.pack("<HH", rows, cols))
-            await link.drain()
 

@@ -327,10 +327,19 @@ class SandboxManager:
 
         Raises:
             BackendUnavailable: `native` on a host without a native backend or whose mechanism
-                has no terminal plan here; `microvm` (not built).
+                has no terminal plan here; `microvm` on a host that cannot boot one.
             CcServerError: the backend refuses the profile (the dry plan failed).
         """
-        chosen = choose_backend(self.probe_result, backend, sandbox_on=True)
+        chosen = choose_backend(
+            self.probe_result,
+            backend,
+            sandbox_on=True,
+            microvm=self.microvm.probe if self.microvm is not None else None,
+        )
+        if chosen is SandboxBackend.MICROVM:
+            # The shell runs in the guest, on the guest's PTY; the profile's binds are 9p slots
+            # and its network is the session's proxies (the VM has no other way out).
+            return self.vm.launch_policy(policy, allowlist_spec=None)
         planner: Planner
         if chosen is SandboxBackend.NONE:
             planner = planner_for(chosen, _NO_PROBE, self.host)

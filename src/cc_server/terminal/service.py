@@ -1,9 +1,11 @@
 """TerminalSessionService: opens server-hosted terminal sessions and owns them until closed.
 
 Its `default_backend` is `none`, as the reference page says, and the server does not override it:
-a terminal runs the host shell unless the client explicitly asks for `native`. A `native` session
-is wrapped through the SandboxManager under the fixed terminal profile; if this host cannot wrap
-it, opening fails (BackendUnavailable) and no shell starts: never a host shell under a native badge.
+a terminal runs the host shell unless the client explicitly asks for `native` or `microvm`. A
+`native` session is wrapped through the SandboxManager under the fixed terminal profile; a
+`microvm` session runs the guest's shell on the guest's PTY, with the profile's binds shared
+into the VM. If this host cannot provide the backend asked for, opening fails
+(BackendUnavailable) and no shell starts: never a host shell under a native or microvm badge.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from cc_server.policy import SandboxBackend
+from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.port import SandboxManager
 from cc_server.terminal.profile import terminal_policy
 from cc_server.terminal.session import TerminalSession, open_terminal_session
@@ -88,6 +91,8 @@ class TerminalSessionService:
             server_private=self.server_private,
         )
         handle = self.manager.launch_terminal(policy, backend=chosen)
+        if handle.backend is SandboxBackend.MICROVM:
+            return await self._open_in_vm(handle, session_id, policy.workdir, rows, cols)
         shell = host_shell()
         env = self._env(handle.backend, shell)
         marker = None
@@ -110,6 +115,25 @@ class TerminalSessionService:
             raise
         self.sessions[session_id] = session
         return session
+
+    async def _open_in_vm(
+        self, handle: SandboxHandle, session_id: str, cwd: str | None, rows: int, cols: int
+    ) -> TerminalSession:
+        """The shell in the guest, on the guest's PTY (cc_server.microvm.terminal)."""
+        from cc_server.microvm.handle import MicroVMHandle
+        from cc_server.microvm.terminal import GUEST_SHELL, open_vm_terminal
+
+        assert isinstance(handle, MicroVMHandle) and cwd is not None
+        try:
+            await handle.ready()
+            session = await open_vm_terminal(
+                handle, env=self._env(handle.backend, GUEST_SHELL), cwd=cwd, rows=rows, cols=cols
+            )
+        except BaseException:
+            await handle.destroy()
+            raise
+        self.sessions[session_id] = session  # type: ignore[assignment]
+        return session  # type: ignore[return-value]
 
     async def close(self, session_id: str) -> None:
         """End one session and everything it started; unknown ids are fine."""
