@@ -21,7 +21,14 @@ from typing import Final
 
 from cc_server.backends.plan import Command, LaunchPlan
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
-from cc_server.microvm.link import VM_DIR_PREFIX, AgentGone, AgentLink, ExecChannel, private_dir
+from cc_server.microvm.link import (
+    VM_DIR_PREFIX,
+    AgentGone,
+    AgentLink,
+    ExecChannel,
+    Request,
+    private_dir,
+)
 from cc_server.microvm.mounts import MountPlan
 from cc_server.microvm.pool import Vm, VmPool
 from cc_server.microvm.proto import ExecFlags, Frame, FrameType, exec_payload, mount_payload
@@ -119,8 +126,10 @@ class MicroVMHandle(SandboxHandle):
             self._link = AgentLink(lambda: proxy_dir)
             self._run_dir = private_dir(self.run_base, VM_DIR_PREFIX)
             self.details["runDir"] = str(self._run_dir)
-            self._vm = await self.pool.restore(self._run_dir, self.mount_plan.shares, self._link)
-            await self._apply_mounts()
+            self._vm, replies = await self.pool.restore(
+                self._run_dir, self.mount_plan.shares, self._link, self._mount_requests()
+            )
+            self._check_mounts(replies)
             self.details["accelerator"] = self.pool.config.accel
             self.details["qemuPid"] = self._vm.qemu.pid
             self.transition(SandboxState.WARM)
@@ -132,12 +141,18 @@ class MicroVMHandle(SandboxHandle):
             if not isinstance(exc, Exception):
                 raise
 
-    async def _apply_mounts(self) -> None:
-        assert self._link is not None and self.mount_plan is not None
-        for step in self.mount_plan.steps:
-            payload = mount_payload(step.op, step.guest_path, tag=step.tag,
-                                    read_only=step.read_only)
-            reply = await self._link.request(FrameType.MOUNT, payload, FrameType.RESULT)
+    def _mount_requests(self) -> list[Request]:
+        assert self.mount_plan is not None
+        return [
+            Request(FrameType.MOUNT, mount_payload(step.op, step.guest_path, tag=step.tag,
+                                                   read_only=step.read_only), FrameType.RESULT)
+            for step in self.mount_plan.steps
+        ]
+
+    def _check_mounts(self, replies: list[Frame]) -> None:
+        """Raise for the first mount step the guest could not take."""
+        assert self.mount_plan is not None
+        for step, reply in zip(self.mount_plan.steps, replies, strict=True):
             code = struct.unpack_from("<i", reply.payload)[0]
             if code != 0:
                 raise EnforcementFailed(
@@ -146,10 +161,16 @@ class MicroVMHandle(SandboxHandle):
                     fix="check the bind mount's guestPath",
                 )
 
+    async def _apply_mounts(self) -> None:
+        assert self._link is not None
+        self._check_mounts(await self._link.request_many(self._mount_requests()))
+
     async def _detach_mounts(self) -> None:
         assert self._link is not None and self.mount_plan is not None
-        for point in self.mount_plan.mount_points:
-            await self._link.request(FrameType.UNMOUNT, point.encode() + b"\0", FrameType.RESULT)
+        await self._link.request_many([
+            Request(FrameType.UNMOUNT, point.encode() + b"\0", FrameType.RESULT)
+            for point in self.mount_plan.mount_points
+        ])
 
     async def suspend(self) -> None:
         """Write the VM's whole state to disk and end its QEMU (its RAM is released). Running
@@ -194,10 +215,11 @@ class MicroVMHandle(SandboxHandle):
             assert self.pool is not None and self.mount_plan is not None
             state = self._run_dir / STATE_FILE
             try:
-                self._vm = await self.pool.resume(
-                    self._run_dir, self.mount_plan.shares, self._link, state
+                self._vm, replies = await self.pool.resume(
+                    self._run_dir, self.mount_plan.shares, self._link, state,
+                    self._mount_requests(),
                 )
-                await self._apply_mounts()
+                self._check_mounts(replies)
             except CcServerError as exc:
                 await self._teardown()
                 self.fail(exc)

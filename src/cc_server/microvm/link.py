@@ -15,9 +15,9 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final
+from typing import Final, NamedTuple
 
 from cc_server.errors import EnforcementFailed
 from cc_server.microvm.proto import (
@@ -44,6 +44,22 @@ VM_DIR_PREFIX: Final = "vm"  # <base>/vm-<server pid>-<random>: one VM's sockets
 
 class AgentGone(EnforcementFailed):
     """The VM's agent connection broke."""
+
+
+class Request(NamedTuple):
+    """One frame to send and the answer to wait for (channel None: a fresh one)."""
+
+    kind: FrameType
+    payload: bytes
+    answer: FrameType
+    channel: int | None = None
+
+
+def hello_request() -> Request:
+    """The clock and fresh entropy for the guest: every restore of one snapshot starts with the
+    same random state and the snapshot's time."""
+    payload = hello_payload(time.time_ns(), secrets.token_bytes(ENTROPY_BYTES))
+    return Request(FrameType.HELLO, payload, FrameType.HELLO_OK, 0)
 
 
 class ExecChannel:
@@ -167,24 +183,38 @@ class AgentLink:
         Raises:
             AgentGone: the connection broke or the agent did not answer in time.
         """
-        channel = next(self._ids) if channel is None else channel
-        future: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
-        self._replies[(channel, answer)] = future
+        return (await self.request_many([Request(kind, payload, answer, channel)]))[0]
+
+    async def request_many(self, requests: Sequence[Request]) -> list[Frame]:
+        """Send every frame at once, then wait for every answer: the agent handles them in
+        order, and one round trip to a guest under TCG costs milliseconds.
+
+        Raises:
+            AgentGone: the connection broke or the agent did not answer in time.
+        """
+        loop = asyncio.get_running_loop()
+        keys: list[tuple[int, FrameType]] = []
+        futures: list[asyncio.Future[Frame]] = []
         try:
-            self.send(channel, kind, payload)
+            for request in requests:
+                channel = next(self._ids) if request.channel is None else request.channel
+                key = (channel, request.answer)
+                futures.append(loop.create_future())
+                self._replies[key] = futures[-1]
+                keys.append(key)
+                self.send(channel, request.kind, request.payload)
             await self.drain()
             async with asyncio.timeout(AGENT_REPLY_TIMEOUT_S):
-                return await future
+                return [await future for future in futures]
         except TimeoutError as exc:
-            raise AgentGone(f"the agent did not answer {kind.name} in time") from exc
+            raise AgentGone("the agent did not answer in time") from exc
         finally:
-            self._replies.pop((channel, answer), None)
+            for key in keys:
+                self._replies.pop(key, None)
 
     async def hello(self) -> None:
-        """Give the guest the host's clock and fresh entropy: every restore of one snapshot
-        starts with the same random state and the snapshot's time."""
-        payload = hello_payload(time.time_ns(), secrets.token_bytes(ENTROPY_BYTES))
-        await self.request(FrameType.HELLO, payload, FrameType.HELLO_OK, channel=0)
+        """Give the guest the host's clock and fresh entropy (see `hello_request`)."""
+        await self.request_many([hello_request()])
 
     def open_exec(self) -> ExecChannel:
         """A new command channel (the caller sends EXEC on it)."""

@@ -25,7 +25,8 @@ from typing import Final
 
 from cc_server.errors import EnforcementFailed
 from cc_server.microvm.image import GuestImage
-from cc_server.microvm.link import AgentLink
+from cc_server.microvm.link import AgentLink, Request, hello_request
+from cc_server.microvm.proto import Frame
 from cc_server.microvm.vm import MachineConfig, Qemu, Share, qemu_argv
 
 __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
@@ -77,7 +78,7 @@ class VmPool:
         self,
         run_dir: Path,
         *,
-        ram: Path,
+        ram: Path | None,
         ram_shared: bool,
         shares: Sequence[Share | None],
         incoming: bool,
@@ -158,37 +159,56 @@ class VmPool:
             shutil.rmtree(work, ignore_errors=True)
 
     async def restore(
-        self, run_dir: Path, shares: Sequence[Share | None], link: AgentLink
-    ) -> Vm:
-        """A new VM from the template, running, its agent greeted (clock and entropy set).
+        self,
+        run_dir: Path,
+        shares: Sequence[Share | None],
+        link: AgentLink,
+        then: Sequence[Request] = (),
+    ) -> tuple[Vm, list[Frame]]:
+        """A new VM from the template, running, its agent greeted (clock and entropy set), and
+        the agent's answers to `then`, sent right behind the greeting.
 
         Raises:
             EnforcementFailed: QEMU did not start or the snapshot did not load.
         """
         template = await self.template()
-        return await self._incoming(run_dir, shares, link, template.ram, template.state, True)
+        return await self._incoming(
+            run_dir, shares, link, template.ram, template.state, True, then
+        )
 
     async def resume(
-        self, run_dir: Path, shares: Sequence[Share | None], link: AgentLink, state: Path
-    ) -> Vm:
-        """A suspended VM back from its full state file.
+        self,
+        run_dir: Path,
+        shares: Sequence[Share | None],
+        link: AgentLink,
+        state: Path,
+        then: Sequence[Request] = (),
+    ) -> tuple[Vm, list[Frame]]:
+        """A suspended VM back from its full state file (see `restore` for `then`).
 
         Raises:
             EnforcementFailed: QEMU did not start or the state did not load.
         """
-        template = await self.template()
-        return await self._incoming(run_dir, shares, link, template.ram, state, False)
+        # Anonymous RAM: the state file carries every page the guest used, and the pages it
+        # never touched stay unallocated (mapping the template here instead would copy-on-write
+        # every page the stream writes, and read the rest into the page cache).
+        return await self._incoming(run_dir, shares, link, None, state, False, then)
 
     async def _incoming(
         self,
         run_dir: Path,
         shares: Sequence[Share | None],
         link: AgentLink,
-        ram: Path,
+        ram: Path | None,
         state: Path,
         ignore_shared: bool,
-    ) -> Vm:
+        then: Sequence[Request],
+    ) -> tuple[Vm, list[Frame]]:
         argv = self._argv(run_dir, ram=ram, ram_shared=False, shares=shares, incoming=True)
+        with contextlib.suppress(OSError):  # read the state ahead while QEMU starts
+            fd = os.open(state, os.O_RDONLY | os.O_CLOEXEC)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            os.close(fd)
         qemu = await Qemu.launch(argv, run_dir)
         vm = Vm(qemu, run_dir, link)
         try:
@@ -200,11 +220,11 @@ class VmPool:
             finally:
                 os.close(fd)
             await qemu.execute("cont")
-            await link.hello()
+            replies = await link.request_many([hello_request(), *then])
         except BaseException:
             await vm.stop()
             raise
-        return vm
+        return vm, replies[1:]
 
     async def suspend(self, vm: Vm, state: Path) -> None:
         """Save `vm` whole to `state` and end its QEMU.

@@ -92,7 +92,7 @@ def qemu_argv(
     config: MachineConfig,
     *,
     run_dir: Path,
-    ram_path: Path,
+    ram_path: Path | None,
     ram_shared: bool,
     shares: Sequence[Share | None],
     empty_dir: Path,
@@ -101,7 +101,8 @@ def qemu_argv(
     """The QEMU command line for one VM; runs nothing.
 
     `ram_shared`: map the RAM file MAP_SHARED (the VM that boots and snapshots it) or
-    copy-on-write (every restore: the file never changes). `shares` fills the slots in order;
+    copy-on-write (every restore: the file never changes); `ram_path=None`: anonymous RAM (a
+    resume, whose state file carries every page). `shares` fills the slots in order;
     `None` and missing slots get `empty_dir`, read-only. Every share is `security_model=none`
     (files keep the QEMU user's ownership) and read-only at the host when `read_only`: the
     guest kernel cannot write through it whatever runs inside.
@@ -120,7 +121,9 @@ def qemu_argv(
         "-nodefaults", "-no-user-config", "-display", "none", "-no-reboot",
         "-object",
         f"memory-backend-file,id=mem0,size={mem}M,mem-path={_opt(str(ram_path))},"
-        f"share={'on' if ram_shared else 'off'}",
+        f"share={'on' if ram_shared else 'off'}"
+        if ram_path is not None
+        else f"memory-backend-ram,id=mem0,size={mem}M",
         "-kernel", str(image.kernel),
         "-initrd", str(image.initrd),
         "-append", KERNEL_CMDLINE,

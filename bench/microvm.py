@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""The microvm backend, one run, under the accelerator this host's probe chose.
+
+Measures, each against its target from the microVM issue and with a baseline from the same run:
+- cold boot to warm: a fresh template VM (new cache directory, the image reused) from QEMU's
+  start to its agent's answer, then its snapshot; the baseline every later number is a ratio of;
+- new session warm: from `SandboxManager.launch` (spec with one bind mount; egress proxies
+  started) to `warm`, restored from the snapshot (target <= 150 ms);
+- resume: a suspended VM back to `warm` (target <= 150 ms), and what suspend took;
+- exec round-trip of `true` in a warm VM (target <= 10 ms), against spawning /bin/true on the
+  host from the same event loop;
+- host memory per idle warm VM: RSS and PSS of each QEMU, SAMPLE_VMS VMs up together, idle for
+  IDLE_S (target <= 64 MiB).
+Prints medians with [min-max]; exits 1 if a target is missed.
+
+Usage: .venv/bin/python bench/microvm.py [--sessions 10] [--execs 50] [--vms 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import pathlib
+import secrets
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+from cc_server.backends.probe import probe
+from cc_server.microvm.handle import MicroVMHandle
+from cc_server.microvm.pool import VmPool
+from cc_server.microvm.runtime import probe_runtime
+from cc_server.policy import HostFacts, SandboxBackend, parse_spec
+from cc_server.runtime.handle import run_collect
+from cc_server.runtime.port import SandboxManager
+
+IDLE_S = 3.0
+TARGET_WARM_MS = 150.0
+TARGET_RESUME_MS = 150.0
+TARGET_EXEC_MS = 10.0
+TARGET_MEM_MIB = 64.0
+
+
+def fmt(values: list[float], unit: str = "ms") -> str:
+    return (f"{statistics.median(values):8.1f} {unit} [{min(values):.1f}-{max(values):.1f}]"
+            f" n={len(values)}")
+
+
+def smaps(pid: int) -> tuple[float, float]:
+    """(RSS, PSS) of a process in MiB."""
+    rss = pss = 0.0
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Rss:"):
+                rss = int(line.split()[1]) / 1024
+            elif line.startswith("Pss:"):
+                pss = int(line.split()[1]) / 1024
+    return rss, pss
+
+
+async def main(args: argparse.Namespace) -> int:
+    runtime = await probe_runtime()
+    if not runtime.available or runtime.pool is None:
+        print(f"no microVM runtime: {runtime.probe.reason}", file=sys.stderr)
+        return 1
+    print(f"accelerator: {runtime.probe.accel} ({runtime.probe.reason})")
+    pool = runtime.pool
+    failed = False
+
+    # Cold boot: a template of its own, in a scratch cache directory.
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="cc-bench-microvm-"))
+    try:
+        cold = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=scratch)
+        started = time.perf_counter()
+        await cold.template()
+        cold_ms = (time.perf_counter() - started) * 1000
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    print(f"cold boot to snapshot ready : {cold_ms:8.1f} ms (boot, agent answer, save)")
+
+    work = pathlib.Path(tempfile.mkdtemp(prefix="cc-bench-microvm-work-"))
+    manager = SandboxManager(probe_result=probe(), host=HostFacts.current(), microvm=runtime)
+    try:
+        def spec() -> object:
+            return parse_spec({
+                "sessionId": f"bench-{secrets.token_hex(4)}", "workspaceId": "bench",
+                "bindMounts": [{"hostPath": str(work), "guestPath": "/work"}],
+                "guestWorkdir": "/work",
+            })
+
+        warm: list[float] = []
+        handles: list[MicroVMHandle] = []
+        for _ in range(args.sessions):
+            started = time.perf_counter()
+            handle = manager.launch(spec(), backend=SandboxBackend.MICROVM)  # type: ignore[arg-type]
+            assert isinstance(handle, MicroVMHandle)
+            await handle.ready()
+            warm.append((time.perf_counter() - started) * 1000)
+            handles.append(handle)
+            if len(handles) > args.vms:
+                await manager.destroy(handles.pop(0).session_id)
+        print(f"new session warm (request) : {fmt(warm)}  target <= {TARGET_WARM_MS:.0f} ms"
+              f"  ({statistics.median(warm) / cold_ms:.3f} x cold boot)")
+        failed |= statistics.median(warm) > TARGET_WARM_MS
+
+        handle = handles[-1]
+        host_true: list[float] = []
+        vm_true: list[float] = []
+        for _ in range(args.execs):
+            started = time.perf_counter()
+            proc = await asyncio.create_subprocess_exec("/bin/true")
+            await proc.wait()
+            host_true.append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            result = await run_collect(handle, ["true"])
+            vm_true.append((time.perf_counter() - started) * 1000)
+            assert result.exit_code == 0
+        print(f"exec `true` in a warm VM   : {fmt(vm_true)}  target <= {TARGET_EXEC_MS:.0f} ms"
+              f"  ({statistics.median(vm_true) / statistics.median(host_true):.2f} x host spawn)")
+        print(f"  baseline: host /bin/true : {fmt(host_true)}")
+        failed |= statistics.median(vm_true) > TARGET_EXEC_MS
+
+        await asyncio.sleep(IDLE_S)
+        mems = [smaps(h.qemu_pid) for h in handles[-args.vms:] if h.qemu_pid is not None]
+        rss = [m[0] for m in mems]
+        pss = [m[1] for m in mems]
+        print(f"idle warm VM memory, RSS   : {fmt(rss, 'MiB')}  ({len(mems)} VMs up)")
+        print(f"idle warm VM memory, PSS   : {fmt(pss, 'MiB')}  target <= {TARGET_MEM_MIB:.0f}"
+              " MiB")
+        failed |= statistics.median(pss) > TARGET_MEM_MIB
+
+        suspend: list[float] = []
+        resume: list[float] = []
+        for _ in range(args.resumes):
+            started = time.perf_counter()
+            await handle.suspend()
+            suspend.append((time.perf_counter() - started) * 1000)
+            started = time.perf_counter()
+            await handle.resume()
+            resume.append((time.perf_counter() - started) * 1000)
+        assert handle.qemu_pid is not None
+        resumed_rss, resumed_pss = smaps(handle.qemu_pid)
+        print(f"suspend to disk            : {fmt(suspend)}")
+        print(f"resume to warm             : {fmt(resume)}  target <= {TARGET_RESUME_MS:.0f} ms"
+              f"  ({statistics.median(resume) / cold_ms:.3f} x cold boot)")
+        print(f"  resumed VM memory        : RSS {resumed_rss:.1f} MiB, PSS {resumed_pss:.1f} MiB")
+        failed |= statistics.median(resume) > TARGET_RESUME_MS
+    finally:
+        await manager.aclose()
+        shutil.rmtree(work, ignore_errors=True)
+    print("all targets met" if not failed else "TARGET MISSED")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=10)
+    parser.add_argument("--execs", type=int, default=50)
+    parser.add_argument("--vms", type=int, default=3)
+    parser.add_argument("--resumes", type=int, default=5)
+    sys.exit(asyncio.run(main(parser.parse_args())) if os.name == "posix" else 1)
