@@ -29,6 +29,10 @@ DEFAULT_HOST: Final = "127.0.0.1"
 DEFAULT_PORT: Final = 8421
 SANDBOX_ENV: Final = "CC_SERVER_SANDBOX"
 SANDBOX_VALUES: Final = ("on", "off")
+# off: no microVM runtime; on: probe it at boot so `microvm` can be asked for; default: also
+# the backend of requests that name none (stepping down to native, with a log line).
+MICROVM_ENV: Final = "CC_SERVER_MICROVM"
+MICROVM_VALUES: Final = ("off", "on", "default")
 
 
 class ServerConfigError(CcServerError):
@@ -46,6 +50,7 @@ class ServerConfig:
     log_json: bool = False  # one JSON object per log line instead of text
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, serve HTTPS
     tls_key: str | None = None  # PEM private key of tls_cert
+    microvm: str = "off"  # CC_SERVER_MICROVM: off, on or default (see MICROVM_VALUES)
 
     @property
     def tls(self) -> bool:
@@ -80,7 +85,13 @@ class ServerConfig:
         if token_file is not None and not os.path.isabs(token_file):
             token_file = os.path.abspath(token_file)
         check_bind_address(host, tls=tls_cert is not None)
+        microvm = environ.get(MICROVM_ENV, "") or "off"
+        if microvm not in MICROVM_VALUES:
+            raise ServerConfigError(
+                f"{MICROVM_ENV} must be one of {', '.join(MICROVM_VALUES)}, got {microvm!r}"
+            )
         return cls(
+            microvm=microvm,
             host=host,
             port=port,
             sandbox_on=sandbox_on,
