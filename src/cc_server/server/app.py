@@ -24,7 +24,7 @@ from aiohttp.abc import AbstractAccessLogger
 from cc_server import __version__
 from cc_server.backends.probe import boot_probe, startup_line
 from cc_server.errors import CcServerError
-from cc_server.policy import HostFacts
+from cc_server.policy import HostFacts, SandboxBackend
 from cc_server.runtime.egress import (
     egress_base_dir,
     kill_stale_sandboxes,
@@ -140,8 +140,17 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
     write_token_file(token_path, token)
     log_event("token", f"bearer token written to {token_path}", path=token_path)
 
+    microvm = None
+    if config.microvm != "off":  # the microVM runtime's own probe (first use builds its image)
+        from cc_server.microvm.runtime import probe_runtime
+
+        microvm = await probe_runtime()
+        log_event("microvm", f"microVM {'available' if microvm.available else 'unavailable'}: "
+                  f"{microvm.probe.reason}", microvm=microvm.probe.to_json())
     manager = SandboxManager(
-        probe_result=result, host=HostFacts.current(), sandbox_on=config.sandbox_on
+        probe_result=result, host=HostFacts.current(), sandbox_on=config.sandbox_on,
+        microvm=microvm,
+        default_backend=SandboxBackend.MICROVM if config.microvm == "default" else None,
     )
     terminals = TerminalSessionService(manager, server_private=(token_path, base))
     state = ServerState(manager=manager, terminals=terminals, token_path=token_path)
