@@ -9,8 +9,10 @@ import os
 import pathlib
 import socket
 
+import aiohttp
 import pytest
 from microvm_kit import alive, events_of, launch, manager, read_until, shared_runtime, unique
+from server_kit import running_server
 
 from cc_server.errors import BackendUnavailable
 from cc_server.microvm.handle import STATE_FILE
@@ -196,3 +198,28 @@ async def test_terminal_runs_in_the_guest_pty(tmp_path: pathlib.Path) -> None:
         assert not alive(pid)
     finally:
         await service.aclose()
+
+
+async def test_server_reports_and_runs_microvm(tmp_path: pathlib.Path) -> None:
+    shared_runtime()  # the image and snapshot exist: the server's boot probe reuses them
+    env = {"CC_SERVER_MICROVM": "default", "CC_SERVER_MICROVM_CACHE": str(default_cache_dir())}
+    with running_server(tmp_path, env=env) as server:
+        assert [e["message"].split(":")[0] for e in server.log() if e.get("event") == "microvm"] \
+            == ["microVM available"]
+        async with server.client(timeout=aiohttp.ClientTimeout(total=60)) as client:
+            session_id = unique("api-vm")
+            # No backend named: this server's default is microvm, and the reply says so.
+            async with client.post("/v1/sandboxes", json={"spec": {
+                "sessionId": session_id, "workspaceId": "w"}}) as response:
+                created = await response.json()
+                assert response.status == 201, created
+            assert created["backend"] == "microvm"
+            async with client.post(f"/v1/sandboxes/{session_id}/exec",
+                                   json={"argv": ["uname", "-r"]}) as response:
+                result = await response.json()
+            release = shared_runtime().pool.image.kernel_release  # type: ignore[union-attr]
+            assert result["exitCode"] == 0 and result["stdout"] == f"{release}\n"
+            async with client.get(f"/v1/sandboxes/{session_id}") as response:
+                assert (await response.json())["state"] == "warm"
+            async with client.delete(f"/v1/sandboxes/{session_id}") as response:
+                assert response.status in (200, 204)
