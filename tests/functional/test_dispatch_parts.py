@@ -122,3 +122,25 @@ async def test_the_acp_transport_frames_lines_and_drops_an_oversized_one(
             await execution.__aexit__(None, None, None)
     finally:
         await manager.aclose()
+
+
+async def test_run_state_a_killed_server_left_is_removed_at_start(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    from cc_server.dispatch.credentials import CredentialBroker
+    from cc_server.dispatch.service import DispatchConfig, DispatchService
+    from cc_server.dispatch.worktrees import WorktreeManager
+
+    stale = tmp_path / "runs" / "run-0123456789abcdef" / ".claude"
+    stale.mkdir(parents=True)
+    (stale / "settings.json").write_text("{}")
+    keep = tmp_path / "runs" / "operator-notes"
+    keep.mkdir()
+    manager = SandboxManager(probe_result=probe_result,
+                             host=dataclasses.replace(HostFacts.current(), home=str(tmp_path)))
+    worktrees = WorktreeManager(base=str(tmp_path / "wt"))
+    broker = CredentialBroker(base_dir=str(tmp_path))
+    DispatchService(manager=manager, worktrees=worktrees, broker=broker,
+                    config=DispatchConfig(state_base=str(tmp_path / "runs")), environ={})
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["operator-notes"]
+    await manager.aclose()

@@ -181,6 +181,11 @@ class DispatchService:
         self.environ = dict(os.environ if environ is None else environ)  # the server's own
         self.runs: dict[str, DispatchRun] = {}
         os.makedirs(config.state_base, mode=0o700, exist_ok=True)
+        # No run survives its server: what a killed one left is removed (one server per
+        # dispatch directory, like the worktrees).
+        for name in os.listdir(config.state_base):
+            if name.startswith("run-"):
+                shutil.rmtree(os.path.join(config.state_base, name), ignore_errors=True)
 
     # -- the spec --
 
@@ -285,8 +290,13 @@ class DispatchService:
         handle: SandboxHandle | None = None
         try:
             make_spec = functools.partial(
-                self.spec_for, run_id, worktree, workspace_id=workspace_id, mode=mode,
-                capabilities=caps, state_dir=state_dir,
+                self.spec_for,
+                run_id,
+                worktree,
+                workspace_id=workspace_id,
+                mode=mode,
+                capabilities=caps,
+                state_dir=state_dir,
             )
             grant = self.broker.grant(make_spec(), run_id)
             spec = make_spec(extra_binds=grant.bind_mounts)
