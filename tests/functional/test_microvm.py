@@ -8,6 +8,7 @@ import asyncio
 import os
 import pathlib
 import socket
+import time
 
 import aiohttp
 import pytest
@@ -223,3 +224,18 @@ async def test_server_reports_and_runs_microvm(tmp_path: pathlib.Path) -> None:
                 assert (await response.json())["state"] == "warm"
             async with client.delete(f"/v1/sandboxes/{session_id}") as response:
                 assert response.status in (200, 204)
+
+
+async def test_restored_guests_get_fresh_entropy_and_the_clock(tmp_path: pathlib.Path) -> None:
+    m = manager(tmp_path)
+    try:
+        script = ["/bin/sh", "-c", "head -c 16 /dev/urandom | od -An -tx1; date +%s"]
+        outputs = []
+        for _ in range(2):  # two clones of one snapshot
+            handle = await launch(m)
+            outputs.append((await run_collect(handle, script)).stdout.decode().splitlines())
+        assert outputs[0][0] != outputs[1][0]
+        for lines in outputs:
+            assert abs(int(lines[-1]) - time.time()) < 60
+    finally:
+        await m.aclose()

@@ -4,13 +4,16 @@ native, with a log line; never to none), the agent protocol's framing and the mo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+import pathlib
 
 import pytest
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.errors import BackendUnavailable, BadSpec
+from cc_server.microvm.image import ImageInputs, ensure_image
 from cc_server.microvm.mounts import plan_mounts
 from cc_server.microvm.probe import QEMU_PACKAGE_HINT, BootOutcome, MicroVMFacts, decide
 from cc_server.microvm.proto import (
@@ -151,3 +154,24 @@ def test_mount_plan_refuses_what_a_vm_cannot_share(tmp_path: os.PathLike[str]) -
         plan([{"hostPath": os.path.join(tmp, "file"), "guestPath": "/f"}])
     with pytest.raises(BadSpec, match="guest's own system"):
         plan([{"hostPath": dirs[0], "guestPath": "/dev/x"}])
+
+
+def test_image_key_follows_every_input(tmp_path: os.PathLike[str]) -> None:
+    base = ImageInputs(kernel_package="linux-image-6.1.0-57-amd64", kernel_version="6.1.1-1",
+                       busybox_sha256="b" * 64, agent_sha256="a" * 64)
+    keys = {base.key} | {
+        dataclasses.replace(base, **{name: "changed"}).key
+        for name in ("kernel_package", "kernel_version", "busybox_sha256", "agent_sha256")
+    }
+    assert len(keys) == 5
+    built = pathlib.Path(tmp_path) / f"image-{base.key}"
+    built.mkdir()
+    for name, text in (("vmlinux", ""), ("initrd.cpio", ""), ("kernel-release", "6.1.0\n"),
+                       ("ready", "")):
+        (built / name).write_text(text)
+
+    def no_build(step: str, fraction: float) -> None:
+        raise AssertionError(f"rebuilt a cached image ({step})")
+
+    image = ensure_image(pathlib.Path(tmp_path), base, no_build)
+    assert image.directory == built and image.kernel_release == "6.1.0"
