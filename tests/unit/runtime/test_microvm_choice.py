@@ -26,8 +26,10 @@ from cc_server.microvm.proto import (
     encode,
     exec_payload,
 )
+from cc_server.microvm.runtime import MicroVMRuntime
 from cc_server.microvm.vm import MOUNT_SLOTS
 from cc_server.policy import HostFacts, Platform, SandboxBackend, compile_policy, parse_spec
+from cc_server.runtime.port import MicroVMSandboxAdapter
 from cc_server.runtime.select import choose_backend
 
 QEMU = "/usr/bin/qemu-system-x86_64"
@@ -175,3 +177,12 @@ def test_image_key_follows_every_input(tmp_path: os.PathLike[str]) -> None:
 
     image = ensure_image(pathlib.Path(tmp_path), base, no_build)
     assert image.directory == built and image.kernel_release == "6.1.0"
+
+
+def test_create_time_globs_are_refused_for_microvm(tmp_path: os.PathLike[str]) -> None:
+    runtime = MicroVMRuntime(probe=KVM_HOST, pool=object())  # type: ignore[arg-type]
+    adapter = MicroVMSandboxAdapter(runtime=runtime, host=_host(str(tmp_path)))
+    spec = parse_spec({"sessionId": "s", "workspaceId": "w"})
+    with pytest.raises(BackendUnavailable, match="create-time globs") as info:
+        adapter.launch(spec, deny_create_globs=(".env", "*.pem"))
+    assert "native" in (info.value.fix or "")
