@@ -1,7 +1,7 @@
 """WS /v1/terminals: a server-hosted terminal session over a WebSocket.
 
-Query: `backend` (none | native; default the service's, which is none), `cwd` (absolute; default
-$HOME), `rows`, `cols`. Frames:
+Query: `backend` (none | native | microvm; default the service's, which is none), `cwd`
+(absolute; default $HOME), `rows`, `cols`. Frames:
 - server → client: first a text frame `{"type": "session", "sessionId", "backend", "cwd"}` (the
   badge: the backend actually running the shell), then the PTY's output as binary frames, and when
   the shell exits `{"type": "exit", "exitCode": N}` before the close;
@@ -9,8 +9,8 @@ $HOME), `rows`, `cols`. Frames:
   (`{"resize": {"rows": R, "cols": C}}`, `{"input": "text"}`) or, when they are not a JSON object,
   typed input as they are.
 A session that cannot start gets `{"type": "error", ...}` and close code 4000 + the HTTP status
-(4409 when `native` is asked on a host without a native backend); no shell runs. Closing the
-socket ends the shell and everything it started.
+(4409 when `native` or `microvm` is asked on a host that cannot provide it); no shell runs.
+Closing the socket ends the shell and everything it started.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ __all__ = ["routes"]
 # After the shell exits, how long output still in the PTY may take to arrive before the session
 # is torn down (a background job holding the terminal open must not hold the socket).
 OUTPUT_DRAIN_S: Final = 1.0
-TERMINAL_BACKENDS: Final = (SandboxBackend.NONE.value, SandboxBackend.NATIVE.value)
+TERMINAL_BACKENDS: Final = tuple(b.value for b in SandboxBackend)
 
 routes = web.RouteTableDef()
 
