@@ -163,7 +163,7 @@ async def test_closing_the_socket_ends_the_shell_and_its_jobs(
 async def test_bad_terminal_requests_fail_with_an_error_frame(connect: Any) -> None:
     for query, status, error in [
         ({"backend": "docker"}, 4400, "BadSpec"),
-        ({"backend": "microvm"}, 4400, "BadSpec"),
+        ({"backend": "microvm"}, 4409, "BackendUnavailable"),  # this server probed no VM
         ({"cwd": "relative"}, 4400, "BadSpec"),
         ({"cwd": "/does/not/exist"}, 4400, "BadSpec"),
         ({"rows": "0"}, 4400, "BadSpec"),
