@@ -224,6 +224,16 @@ async def test_server_reports_and_runs_microvm(tmp_path: pathlib.Path) -> None:
                 assert (await response.json())["state"] == "warm"
             async with client.delete(f"/v1/sandboxes/{session_id}") as response:
                 assert response.status in (200, 204)
+            async with client.ws_connect(f"{server.ws_url}/v1/terminals",
+                                         params={"backend": "microvm"}) as ws:
+                first = await ws.receive_json(timeout=60)
+                assert first["type"] == "session" and first["backend"] == "microvm"
+                await ws.send_bytes(b"uname -r; echo T-$((2+2))\n")
+                seen = ""
+                async with asyncio.timeout(60):
+                    while "T-4\r\n" not in seen:
+                        seen += (await ws.receive_bytes()).decode(errors="replace")
+                assert release in seen
 
 
 async def test_restored_guests_get_fresh_entropy_and_the_clock(tmp_path: pathlib.Path) -> None:
