@@ -7,7 +7,10 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import secrets
 import socket
+import subprocess
+import sys
 import time
 
 import aiohttp
@@ -18,12 +21,14 @@ from server_kit import running_server
 from cc_server.errors import BackendUnavailable
 from cc_server.microvm.handle import STATE_FILE
 from cc_server.microvm.image import default_cache_dir
+from cc_server.microvm.runtime import remove_stale_vm_dirs
 from cc_server.policy import SandboxBackend, parse_spec
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import run_collect
 from cc_server.terminal.service import TerminalSessionService
 
 pytestmark = [pytest.mark.integration]
+STALE_PID = 999_999  # above this host's pid_max: a server that is gone
 
 
 def test_probe_on_this_host_says_which_accelerator_and_why() -> None:
@@ -249,3 +254,27 @@ async def test_restored_guests_get_fresh_entropy_and_the_clock(tmp_path: pathlib
             assert abs(int(lines[-1]) - time.time()) < 60
     finally:
         await m.aclose()
+
+
+def test_boot_cleanup_kills_the_qemu_of_a_killed_server(tmp_path: pathlib.Path) -> None:
+    # What a killed server leaves: a VM directory named for its (gone) pid, and a process whose
+    # argv names that directory (QEMU's `-name`); here a stand-in, so no VM is needed.
+    base = tmp_path / "base"
+    base.mkdir()
+    stale = base / f"vm-{STALE_PID}-{secrets.token_hex(8)}"
+    stale.mkdir()
+    live = base / f"vm-{os.getpid()}-{secrets.token_hex(8)}"
+    live.mkdir()
+    stand_in = subprocess.Popen(["/bin/sleep", "1000"])  # not named: left alone
+    orphan = subprocess.Popen(  # argv carries the stale directory as one word
+        [sys.executable, "-c", "import time; time.sleep(1000)", "-name", str(stale)]
+    )
+    try:
+        assert remove_stale_vm_dirs(str(base)) == [stale.name]
+        assert orphan.wait(timeout=10) == -9
+        assert not stale.exists() and live.exists()
+        assert stand_in.poll() is None
+    finally:
+        for proc in (stand_in, orphan):
+            proc.kill()
+            proc.wait()

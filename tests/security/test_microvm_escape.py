@@ -114,3 +114,27 @@ async def test_review_mode_binds_are_read_only_at_the_host(tmp_path: pathlib.Pat
         assert result.exit_code != 0 and not (work / "f").exists()
     finally:
         await m.aclose()
+
+
+async def test_the_agent_channel_is_out_of_reach(tmp_path: pathlib.Path) -> None:
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m)
+        result = await run_collect(handle, ["/bin/sh", "-c", (
+            "test -e /dev/hvc0 && echo PORT-NODE-PRESENT; "
+            "printf junk > /dev/vport0p0 && echo WROTE-VPORT; "
+            "timeout 1 cat /dev/vport0p0 && echo READ-VPORT; "
+            "mknod /tmp/port c 229 0 && echo MADE-NODE; "
+            "cat /proc/1/environ && echo READ-AGENT; "
+            "head -c1 /proc/1/mem && echo READ-AGENT-MEM; "
+            "head -c1 /dev/mem && echo READ-MEM; "
+            "kill -9 1; true"
+        )])
+        out = result.stdout.decode()
+        for escaped in ("PORT-NODE-PRESENT", "WROTE-VPORT", "READ-VPORT", "MADE-NODE",
+                        "READ-AGENT", "READ-MEM"):
+            assert escaped not in out, (escaped, out, result.stderr)
+        after = await run_collect(handle, ["echo", "agent-still-answers"])
+        assert after.stdout == b"agent-still-answers\n"
+    finally:
+        await m.aclose()
