@@ -20,7 +20,7 @@ from typing import Any
 from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.guardrails import Guardrail
 from cc_server.dispatch.service import DispatchConfig, DispatchService
-from cc_server.dispatch.worktrees import WorktreeManager, mounted_under
+from cc_server.dispatch.worktrees import WorktreeManager, WorktreeStrategy, mounted_under
 from cc_server.policy import HostFacts
 from cc_server.runtime.port import SandboxManager
 
@@ -112,6 +112,7 @@ async def open_dispatch(
     marker: str = "CC-DISPATCH-SECRET",
     acp_agent: tuple[str, ...] | None = None,
     agent_dirs: tuple[str, ...] = (),
+    strategy: WorktreeStrategy | None = None,
 ) -> AsyncIterator[Dispatch]:
     """A service with a registered repo `r` and the npm agents configured; everything is torn
     down after, and no mount is left under tmp."""
@@ -121,7 +122,7 @@ async def open_dispatch(
     repo = make_repo(tmp / "repo")
     host = dataclasses.replace(HostFacts.current(), home=str(home))
     manager = SandboxManager(probe_result=probe_result, host=host, sandbox_on=sandbox_on)
-    worktrees = WorktreeManager(base=str(tmp / "worktrees"))
+    worktrees = WorktreeManager(base=str(tmp / "worktrees"), strategy=strategy)
     modules = os.path.realpath(NPM_MODULES)
     config = DispatchConfig(
         state_base=str(tmp / "runs"), claude_path=str(CLAUDE_BIN),

@@ -178,3 +178,30 @@ async def test_the_acp_agents_own_process_sees_no_more_than_its_sandbox(
         assert (d.repo / "README.md").read_text() == "original readme\n"
         assert not pathlib.Path(wt.path, "agent.key").exists()
         assert any(v.action == "file-write-create" for v in run.handle.violations)
+
+
+async def test_a_git_worktree_run_reads_git_but_cannot_write_the_checkouts_git(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    from dispatch_kit import git, tree_digest
+
+    from cc_server.dispatch.worktrees import WorktreeStrategy
+
+    async with open_dispatch(tmp_path, probe_result, strategy=WorktreeStrategy.GIT) as d:
+        before = tree_digest(d.repo)
+        wt = d.worktrees.create("r", "c1")
+        head = git("rev-parse", "HEAD", cwd=d.repo).strip()
+        run = await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.HARNESS)
+        status = await run.harness.run("echo changed > README.md; git status --short; "
+                                       "git rev-parse HEAD")
+        assert status.exit_code == 0, status
+        assert " M README.md" in status.stdout and head in status.stdout
+        commit = await run.harness.run(
+            "git -c user.email=a@b -c user.name=a commit -qam pwned 2>&1; echo rc=$?;"
+            f" echo x > {d.repo}/.git/hooks/post-checkout 2>&1; echo hook=$?")
+        assert "rc=0" not in commit.stdout and "hook=0" not in commit.stdout, commit
+        assert git("rev-parse", "HEAD", cwd=d.repo).strip() == head
+        after = tree_digest(d.repo)
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+        # Only `git worktree add`'s own bookkeeping (made by the server, before the run).
+        assert all(k.startswith(".git/worktrees") for k in changed), changed

@@ -42,7 +42,7 @@ from cc_server.dispatch.guardrails import (
 )
 from cc_server.dispatch.harness import HarnessBash
 from cc_server.dispatch.tools import FileTools
-from cc_server.dispatch.worktrees import Worktree, WorktreeManager
+from cc_server.dispatch.worktrees import Worktree, WorktreeManager, WorktreeStrategy
 from cc_server.errors import BadSpec
 from cc_server.policy import (
     STANDARD_DENY_CREATE_GLOBS,
@@ -202,6 +202,10 @@ class DispatchService:
     ) -> SandboxSpec:
         """The standard dispatch spec of a run (see the module docstring)."""
         binds = [SandboxBindMount(host_path=worktree.path)]
+        if worktree.strategy is WorktreeStrategy.GIT:
+            # The worktree's .git names the checkout's: git reads it there (never writes).
+            binds.append(SandboxBindMount(host_path=os.path.join(worktree.original, ".git"),
+                                          read_only=True))
         binds += [
             SandboxBindMount(host_path=d, read_only=True)
             for d in self.config.agent_dirs
