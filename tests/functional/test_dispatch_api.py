@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import shutil
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -234,3 +235,41 @@ async def test_an_agent_that_does_not_speak_acp_is_refused_and_leaves_nothing(
         assert "did not complete initialize and session/new" in body["message"]
         assert d.service.runs == {} and d.manager.handles == {}
         assert list((tmp_path / "runs").iterdir()) == []
+
+
+async def test_a_killed_servers_worktrees_and_runs_are_recovered_at_the_next_boot(
+    tmp_path: pathlib.Path,
+) -> None:
+    import signal
+
+    from server_kit import start_server
+
+    repo = make_repo(tmp_path / "repo")
+    dispatch_dir = tmp_path / "dispatch"
+    env = {"CC_SERVER_DISPATCH_DIR": str(dispatch_dir)}
+    first = start_server(tmp_path, env=env)
+    try:
+        async with first.client() as http:
+            await http.post("/v1/repos", json={"repoId": "r", "path": str(repo)})
+            wt = await (await http.post("/v1/worktrees", json={
+                "repoId": "r", "conversationId": "c1"})).json()
+            run = await (await http.post("/v1/dispatches", json={
+                "worktreeId": wt["worktreeId"]})).json()
+            done = await (await http.post(f"/v1/dispatches/{run['runId']}/bash", json={
+                "command": "echo kept > work.txt"})).json()
+            assert done["exitCode"] == 0, done
+    finally:
+        first.stop(signal.SIGKILL)
+        shutil.rmtree(first.runtime_dir, ignore_errors=True)
+    assert (dispatch_dir / "runs" / run["runId"]).exists()  # nobody cleaned up
+    with running_server(tmp_path, env=env) as second:
+        async with second.client() as http:
+            listed = (await (await http.get("/v1/worktrees")).json())["worktrees"]
+            assert [w["worktreeId"] for w in listed] == [wt["worktreeId"]]
+            assert pathlib.Path(wt["path"], "work.txt").read_text() == "kept\n"
+            assert (await http.get(f"/v1/dispatches/{run['runId']}")).status == 404
+            assert list((dispatch_dir / "runs").iterdir()) == []
+            assert mounted_under(str(dispatch_dir)) == [wt["path"]]
+            assert (await http.delete(f"/v1/worktrees/{wt['worktreeId']}")).status == 204
+    assert mounted_under(str(tmp_path)) == []
+    assert (repo / "README.md").read_text() == "original readme\n"
