@@ -63,6 +63,7 @@ __all__ = [
     "LAUNCHER_NAME",
     "LIBRARY_NAME",
     "NATIVE_DIR",
+    "STATE_SYSCALLS",
     "TRAPPED_SYSCALLS",
     "CreateRefused",
     "CreateRuleSupervisor",
@@ -78,7 +79,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 1  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 2  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -107,6 +108,13 @@ TRAPPED_SYSCALLS: Final[tuple[tuple[str, str], ...]] = (
     ("renameat2", "moves or exchanges names"),
     ("bind", "an AF_UNIX pathname socket creates a name; the family is in memory"),
 )
+# Trapped so the supervisor can cache what it reads of a task: these are the only calls that
+# change its umask or its fs credentials. They name no path; the supervisor notes the change and
+# lets them run (SECCOMP_USER_NOTIF_FLAG_CONTINUE).
+STATE_SYSCALLS: Final[tuple[str, ...]] = (
+    "umask", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid",
+    "setfsuid", "setfsgid", "setgroups",
+)  # fmt: skip
 SECCOMP_SET_MODE_FILTER: Final = 1
 SECCOMP_FILTER_FLAG_NEW_LISTENER: Final = 1 << 3
 SECCOMP_LISTENER_LINK: Final = "anon_inode:seccomp notify"  # readlink of a listener fd
@@ -125,6 +133,8 @@ def notify_filter_bpf() -> bytes:
     flt.add_rule(sc.NOTIFY, "open", sc.Arg(1, sc.MASKED_EQ, os.O_CREAT, os.O_CREAT))
     flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, os.O_CREAT, os.O_CREAT))
     for name, _reason in TRAPPED_SYSCALLS:
+        flt.add_rule(sc.NOTIFY, name)
+    for name in STATE_SYSCALLS:
         flt.add_rule(sc.NOTIFY, name)
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
@@ -257,10 +267,16 @@ class SupervisorStats:
     """Reports lost because the pipe was full (the refusals themselves still happened)."""
     busy_s: float
     """Time the workers spent handling notifications, from RECV to the answer."""
+    cache_hits: int
+    """Notifications answered without reading the task's /proc status again."""
+    sync_wake: bool
+    """The kernel wakes the task and the supervisor on the waker's CPU
+    (`SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP`, Linux 6.6+)."""
 
 
 Report = CreateRefused | SupervisorFault
 _LENGTH = struct.Struct("<I")
+_NSTATS: Final = 7  # ccs_stats fills this many counters
 
 
 class _Handle(ctypes.c_void_p):
@@ -280,7 +296,7 @@ def _library(path: str) -> ctypes.CDLL:
     lib.ccs_stop.restype = None
     lib.ccs_stop.argtypes = [_Handle]
     lib.ccs_stats.restype = None
-    lib.ccs_stats.argtypes = [_Handle, ctypes.POINTER(ctypes.c_ulonglong * 5)]
+    lib.ccs_stats.argtypes = [_Handle, ctypes.POINTER(ctypes.c_ulonglong * _NSTATS)]
     return lib
 
 
@@ -371,13 +387,18 @@ class CreateRuleSupervisor:
 
     def stats(self) -> SupervisorStats:
         """Counters so far (zeros once closed)."""
-        out = (ctypes.c_ulonglong * 5)()
+        out = (ctypes.c_ulonglong * _NSTATS)()
         with self._lock:
             if self._handle is not None:
                 self._lib.ccs_stats(self._handle, ctypes.byref(out))
         return SupervisorStats(
-            handled=out[0], refused=out[1], faults=out[2], dropped_reports=out[3],
+            handled=out[0],
+            refused=out[1],
+            faults=out[2],
+            dropped_reports=out[3],
             busy_s=out[4] / 1e9,
+            cache_hits=out[5],
+            sync_wake=bool(out[6]),
         )
 
     def close(self) -> list[Report]:

@@ -453,3 +453,96 @@ def test_run_accepts_other_globs(tmp_path: pathlib.Path) -> None:
                  globs=("*.secret",))
     assert [r.name for r in result.refused] == ["b.secret"]
     assert _names(tmp_path) == {"a.pem"}
+
+
+def test_the_task_cache_follows_every_umask_change_of_every_thread(tmp_path: pathlib.Path) -> None:
+    # What the supervisor read of a task is reused for its next calls; a umask() by any thread
+    # (they share one umask) must reach the very next create of every thread, every time.
+    code = textwrap.dedent(
+        """
+        import os, threading
+        def create(name):
+            os.close(os.open(name, os.O_CREAT | os.O_WRONLY, 0o666))
+        def in_thread(fn):
+            t = threading.Thread(target=fn); t.start(); t.join()
+        os.umask(0o022)
+        for i in range(20):
+            create(f"warm-{i}")  # the second and later calls come from the cache
+        in_thread(lambda: create("t-022"))
+        in_thread(lambda: os.umask(0o077))  # another thread changes the shared umask
+        create("m-077")
+        in_thread(lambda: create("t-077"))
+        os.umask(0o027)
+        create("m-027")
+        os.umask(0o027)  # a change to the same value
+        create("m-027-again")
+        os.umask(0o000)
+        os.mkdir("d-000", 0o777)
+        """
+    )
+    launch = Launch([PYTHON, "-c", code], str(tmp_path))
+    assert launch.supervisor is not None
+    assert launch.proc.wait(timeout=30) == 0
+    stats = launch.supervisor.stats()
+    result = launch.finish()
+    assert result.reports == [], result
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert {n: m for n, m in mode.items() if not n.startswith("warm-")} == {
+        "t-022": 0o644, "m-077": 0o600, "t-077": 0o600, "m-027": 0o640, "m-027-again": 0o640,
+        "d-000": 0o777,
+    }  # fmt: skip
+    assert {mode[f"warm-{i}"] for i in range(20)} == {0o644}
+    # Each worker reads a task once (the kit runs three); the rest of the loop is cached.
+    assert stats.cache_hits >= 20 - 3 - 1, stats
+
+
+def test_a_child_process_gets_its_own_umask_not_its_parents_cached_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A fork copies the umask; afterwards parent and child change theirs independently.
+    script = """
+        umask 022; echo > p1
+        (umask 077; echo > c1; echo > c2) &
+        wait
+        echo > p2
+        umask 007; echo > p3
+    """
+    result = sh(textwrap.dedent(script), str(tmp_path))
+    assert result.returncode == 0, result
+    mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+    assert mode == {"p1": 0o644, "c1": 0o600, "c2": 0o600, "p2": 0o644, "p3": 0o660}
+
+
+def test_state_calls_run_natively_and_report_nothing(tmp_path: pathlib.Path) -> None:
+    # umask and the set*id calls are trapped only to keep the cache true: they run as the
+    # kernel runs them (the launcher left no capability, so taking other ids is refused, and a
+    # refused setfsgid changes nothing) and never count as a create.
+    code = textwrap.dedent(
+        """
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print(oct(os.umask(0o077)), oct(os.umask(0o022)))
+        os.setuid(os.getuid()); os.setgid(os.getgid()); os.setresuid(-1, -1, -1)
+        for call in (lambda: os.setgroups(os.getgroups()), lambda: os.setuid(os.getuid() + 1)):
+            try:
+                call()
+                print("ok")
+            except PermissionError:
+                print("EPERM")
+        print(libc.setfsgid(4242) == os.getegid(), libc.setfsgid(4242) == os.getegid())
+        open("after", "w").close()
+        print(os.stat("after").st_gid == os.getegid())
+        """
+    )
+    old = os.umask(0o022)
+    os.umask(old)
+    launch = Launch([PYTHON, "-c", code], str(tmp_path))
+    assert launch.supervisor is not None
+    assert launch.proc.wait(timeout=30) == 0
+    handled = launch.supervisor.stats().handled
+    result = launch.finish()
+    assert result.stdout.splitlines() == [
+        f"{oct(old)} 0o77", "EPERM", "EPERM", "True True", "True",
+    ], result  # fmt: skip
+    assert result.reports == []
+    assert handled >= 9, handled  # the state calls did reach the supervisor, and one create

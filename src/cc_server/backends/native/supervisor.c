@@ -76,7 +76,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CCS_ABI_VERSION 1
+#define CCS_ABI_VERSION 2
 
 #ifndef SECCOMP_ADDFD_FLAG_SEND
 #define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
@@ -115,6 +115,7 @@
 #define HELPER_POLL_MS 100        /* how often pending FIFO helpers are checked for dead tasks */
 #define STOP_RESCUE_MS 10         /* while stopping: how often waiting helpers are released */
 #define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
+#define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
 
 enum { KIND_REFUSED = 'R', KIND_ERROR = 'E' };
 
@@ -134,15 +135,29 @@ struct ccs {
     int ngroups;
     int nworkers;
     pthread_t *threads;
-    pthread_mutex_t leader;
+    pthread_mutex_t recv_lock; /* poll(0) + RECV, so a RECV never blocks */
     pthread_mutex_t lock; /* ready counting, helpers */
     pthread_cond_t cond;
     int ready, failed;
     char setup_error[256];
     struct helper *helpers;
-    int nhelpers;
+    atomic_int nhelpers;
     atomic_int stopping;
     atomic_ullong handled, refused, errors, dropped_reports, busy_ns;
+    /* Calls that change what /proc/<tid>/status says (umask, the credential calls): each bumps
+     * state_gen, which makes every cached task_info stale, and stays in `pending` until it has
+     * surely run (see state_settled). */
+    atomic_ullong state_gen;
+    atomic_int npending;
+    atomic_bool cache_off; /* a change could not be tracked: status is read for every call */
+    struct pending {
+        pid_t tid;
+        int status_fd;
+        bool is_umask;
+        mode_t want; /* the umask it sets */
+    } pending[MAX_PENDING];
+    atomic_ullong cache_hits;
+    bool sync_wake; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP was accepted */
 };
 
 struct helper {
@@ -170,6 +185,7 @@ struct req {
     struct seccomp_notif *n;
     const char *sysname;
     int proc_fd;   /* /proc/<tid> */
+    int pidfd;     /* the thread's pidfd, or -1 (before 6.9, a thread that does not lead) */
     int root_fd;   /* the task's root, opened on first use */
     bool root_known;
     uint64_t root_dev, root_ino, root_mnt;
@@ -190,22 +206,37 @@ struct resolved {
 
 static __thread mode_t thread_umask = (mode_t)-1;
 
-/* Per worker: /proc/<tid> and its status file for the tasks seen last, so a task's next call
- * costs one pread instead of two opens. A cached fd pins the task's struct pid: if the task
- * died and its tid was reused, reading through the old fd fails (ESRCH) and both are reopened;
- * it can never describe another task. */
+/* Per worker: what was read of the tasks seen last. A task's next call then costs one
+ * pidfd_send_signal instead of a 9 us read of /proc/<tid>/status, as long as:
+ *   - the entry is still the same task: its pidfd pins the task's struct pid, and signal 0
+ *     through it fails with ESRCH once that task is gone (its tid may then be someone new);
+ *   - nothing the entry holds has changed: the umask and the fs credentials change only
+ *     through umask(2) and the set*id calls, which the filter traps; each one bumps
+ *     s->state_gen (the entry records the generation it was read in) and is "pending" until
+ *     it has surely run, during which nothing is cached (state_settled).
+ * Without a pidfd for the thread (before Linux 6.9 a thread that does not lead its group has
+ * none) the status is read for every call, as it is while anything is pending. */
 #define TID_CACHE 16
 struct tid_entry {
     pid_t tid;
     int proc_fd;
     int status_fd;
+    int pidfd;
+    unsigned long long gen; /* s->state_gen when `ti` was read; 0: not reusable */
+    struct task_info ti;
 };
 static __thread struct tid_entry tid_cache[TID_CACHE];
 static __thread unsigned tid_next;
 
+static void tid_entry_reset(struct tid_entry *e) {
+    e->tid = 0;
+    e->proc_fd = e->status_fd = e->pidfd = -1;
+    e->gen = 0;
+}
+
 static void tid_cache_init(void) {
     for (int i = 0; i < TID_CACHE; i++)
-        tid_cache[i] = (struct tid_entry){.tid = 0, .proc_fd = -1, .status_fd = -1};
+        tid_entry_reset(&tid_cache[i]);
 }
 
 static void tid_entry_close(struct tid_entry *e) {
@@ -213,7 +244,9 @@ static void tid_entry_close(struct tid_entry *e) {
         close(e->proc_fd);
     if (e->status_fd >= 0)
         close(e->status_fd);
-    *e = (struct tid_entry){.tid = 0, .proc_fd = -1, .status_fd = -1};
+    if (e->pidfd >= 0)
+        close(e->pidfd);
+    tid_entry_reset(e);
 }
 
 static void tid_cache_clear(void) {
@@ -222,11 +255,19 @@ static void tid_cache_clear(void) {
 }
 
 static int tid_entry_open(int host_proc, pid_t tid, struct tid_entry *e) {
+    /* The pidfd first: if the tid is reused before the /proc entry is opened, the pidfd's task
+     * is the one that is gone, so what is read below is never taken from the cache. */
+    e->pidfd = (int)syscall(SYS_pidfd_open, tid, PIDFD_THREAD);
+    if (e->pidfd < 0 && errno == EINVAL) /* before 6.9: only a thread-group leader has one */
+        e->pidfd = (int)syscall(SYS_pidfd_open, tid, 0);
     char name[32];
     snprintf(name, sizeof name, "%d", (int)tid);
     e->proc_fd = openat(host_proc, name, O_PATH | O_DIRECTORY | O_CLOEXEC);
-    if (e->proc_fd < 0)
-        return errno == ENOENT ? ESRCH : errno;
+    if (e->proc_fd < 0) {
+        int err = errno == ENOENT ? ESRCH : errno;
+        tid_entry_close(e);
+        return err;
+    }
     e->status_fd = openat(e->proc_fd, "status", O_RDONLY | O_CLOEXEC);
     if (e->status_fd < 0) {
         int err = errno == ENOENT ? ESRCH : errno;
@@ -235,6 +276,11 @@ static int tid_entry_open(int host_proc, pid_t tid, struct tid_entry *e) {
     }
     e->tid = tid;
     return 0;
+}
+
+/* Whether the task a pidfd pins is still there (EPERM: it is, we may not signal it). */
+static bool task_alive(int pidfd) {
+    return syscall(SYS_pidfd_send_signal, pidfd, 0, NULL, 0) == 0 || errno == EPERM;
 }
 
 /* --- small helpers --------------------------------------------------------------------- */
@@ -438,41 +484,80 @@ static int read_status(int fd, char *text, size_t size) {
     return got ? 0 : ESRCH;
 }
 
-/* Find (or open) the task's /proc entry and read its status. */
-static int read_task_info(struct req *q) {
-    struct tid_entry *e = NULL;
-    for (int i = 0; i < TID_CACHE; i++) {
-        if (tid_cache[i].tid == (pid_t)q->n->pid) {
-            e = &tid_cache[i];
-            break;
-        }
-    }
-    char text[STATUS_BYTES];
-    int err = ESRCH;
-    if (e) {
-        err = read_status(e->status_fd, text, sizeof text);
-        if (err)
-            tid_entry_close(e); /* the task we cached is gone: the tid may be someone new */
-    }
-    if (err) {
-        e = &tid_cache[tid_next++ % TID_CACHE];
-        tid_entry_close(e);
-        err = tid_entry_open(q->s->proc_fd, (pid_t)q->n->pid, e);
-        if (err)
-            return err;
-        err = read_status(e->status_fd, text, sizeof text);
-        if (err) {
-            tid_entry_close(e);
-            return err;
-        }
-    }
-    q->proc_fd = e->proc_fd; /* borrowed from the cache */
-    struct task_info *ti = &q->ti;
-    unsigned long v;
+/* The umask a status text shows, or -1. */
+static int status_umask(const char *text) {
     const char *f = status_field(text, "Umask:");
-    if (!f)
+    return f ? (int)(strtoul(f, NULL, 8) & 0777) : -1;
+}
+
+/*
+ * Retire the pending state changes that have surely run, and say whether none is left (then a
+ * task_info read from now on stays true until state_gen moves). A change by thread Y is over
+ * when Y is making another call (`tid`: its earlier one has returned), when Y is gone, or, for
+ * umask, when Y's status already shows the umask it sets (if it has not run yet, running it
+ * changes nothing).
+ */
+static bool state_settled(struct ccs *s, pid_t tid) {
+    if (atomic_load(&s->cache_off))
+        return false;
+    if (atomic_load(&s->npending) == 0)
+        return true;
+    pthread_mutex_lock(&s->lock);
+    int n = atomic_load(&s->npending);
+    for (int i = 0; i < n;) {
+        struct pending *p = &s->pending[i];
+        bool over = p->tid == tid;
+        if (!over) {
+            char text[STATUS_BYTES];
+            int err = read_status(p->status_fd, text, sizeof text);
+            over = err == ESRCH || (!err && p->is_umask && status_umask(text) == (int)p->want);
+        }
+        if (over) {
+            close(p->status_fd);
+            *p = s->pending[--n];
+        } else {
+            i++;
+        }
+    }
+    atomic_store(&s->npending, n);
+    pthread_mutex_unlock(&s->lock);
+    return n == 0;
+}
+
+/* umask(2) or a set*id call: recorded as pending, then let run (it names no path, so there is
+ * nothing to check and nothing the task could change under us). */
+static void state_change(struct ccs *s, struct seccomp_notif *n) {
+    state_settled(s, (pid_t)n->pid); /* this thread's earlier change has run */
+    char name[48];
+    snprintf(name, sizeof name, "%u/status", n->pid);
+    int fd = openat(s->proc_fd, name, O_RDONLY | O_CLOEXEC);
+    pthread_mutex_lock(&s->lock);
+    int np = atomic_load(&s->npending);
+    if (fd < 0 || np >= MAX_PENDING) {
+        atomic_store(&s->cache_off, true); /* untracked: never trust a cached status again */
+        if (fd >= 0)
+            close(fd);
+    } else {
+        s->pending[np] = (struct pending){.tid = (pid_t)n->pid, .status_fd = fd,
+                                          .is_umask = n->data.nr == SYS_umask,
+                                          .want = (mode_t)(n->data.args[0] & 0777)};
+        atomic_store(&s->npending, np + 1);
+    }
+    atomic_fetch_add(&s->state_gen, 1);
+    pthread_mutex_unlock(&s->lock);
+    struct seccomp_notif_resp resp;
+    memset(&resp, 0, sizeof resp);
+    resp.id = n->id;
+    resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+    ioctl(s->listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+}
+
+static int parse_status(const char *text, struct task_info *ti) {
+    unsigned long v;
+    int um = status_umask(text);
+    if (um < 0)
         return EPROTO;
-    ti->umask = (mode_t)strtoul(f, NULL, 8) & 0777;
+    ti->umask = (mode_t)um;
     if (!nth_number(status_field(text, "Uid:"), 3, &v))
         return EPROTO;
     ti->fsuid = (uid_t)v;
@@ -482,7 +567,7 @@ static int read_task_info(struct req *q) {
     ti->ns_tgid = last_number(status_field(text, "NStgid:"));
     ti->ns_tid = last_number(status_field(text, "NSpid:"));
     ti->ngroups = 0;
-    f = status_field(text, "Groups:");
+    const char *f = status_field(text, "Groups:");
     while (f && *f && *f != '\n') {
         while (*f == ' ' || *f == '\t')
             f++;
@@ -496,6 +581,60 @@ static int read_task_info(struct req *q) {
     }
     if (ti->ngroups > 0)
         qsort(ti->groups, (size_t)ti->ngroups, sizeof(gid_t), cmp_gid);
+    return 0;
+}
+
+/* What the trapping task is: from the cache when it is surely still true, else read from its
+ * status (see struct tid_entry). */
+static int read_task_info(struct req *q) {
+    struct ccs *s = q->s;
+    pid_t tid = (pid_t)q->n->pid;
+    /* The generation is taken before anything is read: a change that comes after it makes
+     * what is read now stale for the next call, never for this one (they run concurrently). */
+    unsigned long long gen = atomic_load(&s->state_gen);
+    bool settled = state_settled(s, tid);
+    struct tid_entry *e = NULL;
+    for (int i = 0; i < TID_CACHE; i++) {
+        if (tid_cache[i].tid == tid) {
+            e = &tid_cache[i];
+            break;
+        }
+    }
+    char text[STATUS_BYTES];
+    int err = ESRCH;
+    if (e) {
+        if (settled && e->gen == gen && task_alive(e->pidfd)) {
+            atomic_fetch_add(&s->cache_hits, 1);
+            q->ti = e->ti;
+            q->proc_fd = e->proc_fd;
+            q->pidfd = e->pidfd;
+            return 0;
+        }
+        err = read_status(e->status_fd, text, sizeof text);
+        if (err)
+            tid_entry_close(e); /* the task we cached is gone: the tid may be someone new */
+    }
+    if (err) {
+        e = &tid_cache[tid_next++ % TID_CACHE];
+        tid_entry_close(e);
+        err = tid_entry_open(s->proc_fd, tid, e);
+        if (err)
+            return err;
+        err = read_status(e->status_fd, text, sizeof text);
+        if (err) {
+            tid_entry_close(e);
+            return err;
+        }
+    }
+    e->gen = 0;
+    err = parse_status(text, &e->ti);
+    if (err)
+        return err;
+    if (settled && e->pidfd >= 0)
+        e->gen = gen;
+    q->ti = e->ti;
+    q->proc_fd = e->proc_fd; /* borrowed from the cache */
+    q->pidfd = e->pidfd;
     return 0;
 }
 
@@ -565,11 +704,17 @@ static int start_dir(struct req *q, int dirfd, const char *path, int *out) {
     }
     if (dirfd < 0)
         return EBADF;
-    char name[32];
-    snprintf(name, sizeof name, "fd/%d", dirfd);
-    *out = openat(q->proc_fd, name, O_PATH | O_CLOEXEC);
-    if (*out < 0)
-        return errno == ENOENT ? EBADF : errno;
+    /* The task's own open file, through its pidfd (1 us; reopening /proc/<tid>/fd/N costs 3). */
+    *out = q->pidfd >= 0 ? (int)syscall(SYS_pidfd_getfd, q->pidfd, dirfd, 0) : -1;
+    if (*out < 0 && q->pidfd >= 0 && errno == EBADF)
+        return EBADF;
+    if (*out < 0) { /* no pidfd, or refused (EPERM, ENOSYS): the procfs link leads there too */
+        char name[32];
+        snprintf(name, sizeof name, "fd/%d", dirfd);
+        *out = openat(q->proc_fd, name, O_PATH | O_CLOEXEC);
+        if (*out < 0)
+            return errno == ENOENT ? EBADF : errno;
+    }
     struct stat st;
     if (fstat(*out, &st) < 0 || !S_ISDIR(st.st_mode)) {
         close_fd(out);
@@ -1356,6 +1501,23 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
     respond(s, q->n->id, 0, err);
 }
 
+/* The calls that change a task's umask or fs credentials (trapped so the cache can follow). */
+static bool is_state_change(int nr) {
+    switch (nr) {
+    case SYS_umask:
+    case SYS_setuid:
+    case SYS_setgid:
+    case SYS_setreuid:
+    case SYS_setregid:
+    case SYS_setresuid:
+    case SYS_setresgid:
+    case SYS_setfsuid:
+    case SYS_setfsgid:
+    case SYS_setgroups: return true;
+    default: return false;
+    }
+}
+
 static const char *syscall_name(int nr) {
     switch (nr) {
 #ifdef SYS_open
@@ -1441,14 +1603,18 @@ static void dispatch(struct req *q) {
 
 static void handle(struct ccs *s, struct seccomp_notif *n) {
     atomic_fetch_add(&s->handled, 1);
-    struct req q = {.s = s, .n = n, .proc_fd = -1, .root_fd = -1};
+    struct req q = {.s = s, .n = n, .proc_fd = -1, .pidfd = -1, .root_fd = -1};
     q.sysname = syscall_name(n->data.nr);
     if (n->data.arch != NATIVE_ARCH || (X32_SYSCALL_BIT && (n->data.nr & X32_SYSCALL_BIT)) ||
-        q.sysname == NULL) {
+        (q.sysname == NULL && !is_state_change(n->data.nr))) {
         q.sysname = "?";
         report_error(&q, "", "undecodable notification: arch %#x nr %d", n->data.arch,
                      n->data.nr);
         respond(s, n->id, 0, ENOSYS);
+        return;
+    }
+    if (is_state_change(n->data.nr)) {
+        state_change(s, n);
         return;
     }
     int err = read_task_info(&q);
@@ -1507,60 +1673,61 @@ static void *worker(void *arg) {
 
     tid_cache_init();
     struct seccomp_notif notif;
-    for (;;) {
-        pthread_mutex_lock(&s->leader);
-        bool got = false;
-        while (!atomic_load(&s->stopping)) {
-            struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
-                                  {.fd = s->stop_fd, .events = POLLIN}};
-            pthread_mutex_lock(&s->lock);
-            int timeout = s->nhelpers ? HELPER_POLL_MS : -1;
-            pthread_mutex_unlock(&s->lock);
-            int r = poll(p, 2, timeout);
-            if (r < 0 && errno == EINTR)
-                continue;
-            if (r < 0 || p[1].revents) {
-                atomic_store(&s->stopping, 1);
-                break;
-            }
-            if (r == 0) {
-                rescue_helpers(s, false);
-                continue;
-            }
-            if (p[0].revents & POLLIN) {
-                memset(&notif, 0, sizeof notif); /* RECV refuses a buffer that is not zeroed */
-                if (ioctl(s->listener, SECCOMP_IOCTL_NOTIF_RECV, &notif) == 0) {
-                    got = true;
-                    break;
-                }
-                continue; /* ENOENT: the task died before we took its notification */
-            }
-            if (p[0].revents & (POLLHUP | POLLERR | POLLNVAL)) {
-                /* Every task of the filter is gone. */
-                atomic_store(&s->stopping, 1);
-                break;
-            }
-        }
-        pthread_mutex_unlock(&s->leader);
-        if (!got)
+    while (!atomic_load(&s->stopping)) {
+        struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
+                              {.fd = s->stop_fd, .events = POLLIN}};
+        int r = poll(p, 2, atomic_load(&s->nhelpers) ? HELPER_POLL_MS : -1);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0 || p[1].revents) {
+            atomic_store(&s->stopping, 1);
             break;
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        handle(s, &notif);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        atomic_fetch_add(&s->busy_ns, (unsigned long long)((t1.tv_sec - t0.tv_sec) * 1000000000LL +
-                                                           (t1.tv_nsec - t0.tv_nsec)));
+        }
+        if (r == 0) {
+            rescue_helpers(s, false);
+            continue;
+        }
+        if (p[0].revents & POLLIN) {
+            /* Every idle worker wakes for a notification; one takes it. POLLIN again under the
+             * lock means one is still waiting, so RECV cannot block (a blocked RECV could not
+             * see stop_fd). */
+            bool got = false;
+            pthread_mutex_lock(&s->recv_lock);
+            struct pollfd again = {.fd = s->listener, .events = POLLIN};
+            if (poll(&again, 1, 0) == 1 && (again.revents & POLLIN)) {
+                memset(&notif, 0, sizeof notif); /* RECV refuses a buffer that is not zeroed */
+                got = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_RECV, &notif) == 0;
+            }
+            pthread_mutex_unlock(&s->recv_lock);
+            if (!got)
+                continue; /* another worker took it, or the task died (ENOENT) */
+            struct timespec t0, t1;
+            clock_gettime(CLOCK_MONOTONIC, &t0);
+            handle(s, &notif);
+            clock_gettime(CLOCK_MONOTONIC, &t1);
+            atomic_fetch_add(&s->busy_ns,
+                             (unsigned long long)((t1.tv_sec - t0.tv_sec) * 1000000000LL +
+                                                  (t1.tv_nsec - t0.tv_nsec)));
+            continue;
+        }
+        if (p[0].revents & (POLLHUP | POLLERR | POLLNVAL)) {
+            /* Every task of the filter is gone. */
+            atomic_store(&s->stopping, 1);
+            break;
+        }
     }
     tid_cache_clear();
     return NULL;
 }
 
 static void destroy(struct ccs *s) {
+    for (int i = 0; i < atomic_load(&s->npending); i++)
+        close(s->pending[i].status_fd);
     if (s->stop_fd >= 0)
         close(s->stop_fd);
     if (s->proc_fd >= 0)
         close(s->proc_fd);
-    pthread_mutex_destroy(&s->leader);
+    pthread_mutex_destroy(&s->recv_lock);
     pthread_mutex_destroy(&s->lock);
     pthread_cond_destroy(&s->cond);
     free(s->globs);
@@ -1596,7 +1763,7 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     s->report_fd = report_fd;
     s->stop_fd = -1;
     s->proc_fd = -1;
-    pthread_mutex_init(&s->leader, NULL);
+    pthread_mutex_init(&s->recv_lock, NULL);
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->cond, NULL);
     if (nworkers < 1 || nworkers > 64 || globs_len == 0 || globs[globs_len - 1] != '\0') {
@@ -1639,9 +1806,11 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
         snprintf(err, errlen, "open /proc or eventfd: %s", strerror(errno));
         goto fail;
     }
+    atomic_store(&s->state_gen, 1); /* 0 marks a cache entry that is never reused */
     if (flags & 1) {
+        /* By value, not a pointer. Before 6.6: EINVAL, and every wake is an ordinary one. */
         unsigned long long f = SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP;
-        ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, f); /* by value; older kernels: EINVAL */
+        s->sync_wake = ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, f) == 0;
     }
     s->threads = calloc((size_t)nworkers, sizeof(pthread_t));
     if (!s->threads)
@@ -1718,12 +1887,15 @@ void ccs_stop(struct ccs *s) {
 /* Whether every worker has stopped on its own (the sandbox's tasks are all gone). */
 int ccs_finished(struct ccs *s) { return atomic_load(&s->stopping); }
 
-/* Counters: handled notifications, refusals, errors, dropped reports, and the nanoseconds the
- * workers spent handling notifications (from RECV to the answer). */
-void ccs_stats(struct ccs *s, unsigned long long out[5]) {
+/* Counters: handled notifications, refusals, errors, dropped reports, the nanoseconds the
+ * workers spent handling notifications (from RECV to the answer), calls answered from the task
+ * cache, and whether the kernel took SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1 or 0). */
+void ccs_stats(struct ccs *s, unsigned long long out[7]) {
     out[0] = atomic_load(&s->handled);
     out[1] = atomic_load(&s->refused);
     out[2] = atomic_load(&s->errors);
     out[3] = atomic_load(&s->dropped_reports);
     out[4] = atomic_load(&s->busy_ns);
+    out[5] = atomic_load(&s->cache_hits);
+    out[6] = s->sync_wake;
 }
