@@ -59,6 +59,10 @@ async def test_round_trip_and_guest_kernel(tmp_path: pathlib.Path) -> None:
         assert killed.exit_code == 128 + 15
         missing = await run_collect(handle, ["/no/such/program"])
         assert missing.exit_code == 127 and b"/no/such/program" in missing.stderr
+        fed = await run_collect(handle, ["cat"], stdin=b"fed through stdin")
+        assert fed.stdout == b"fed through stdin" and fed.exit_code == 0
+        slow = await run_collect(handle, ["sleep", "100"], timeout_s=0.5)
+        assert slow.killed == "timeout" and slow.exit_code == 128 + 9
     finally:
         await m.aclose()
 
