@@ -43,6 +43,7 @@ __all__ = [
     "ensure_image",
     "image_inputs",
     "init_script",
+    "prune_cache",
     "write_newc",
 ]
 
@@ -240,8 +241,7 @@ def ensure_image(
     cache_dir: Path, inputs: ImageInputs | None = None, progress: Progress = stderr_progress
 ) -> GuestImage:
     """The image for `inputs` (this host's, by default), built into `cache_dir` if it is not
-    there yet. Older images in `cache_dir` are left alone (the pool removes what it no longer
-    uses).
+    there yet. Older images stay until `prune_cache` removes them.
 
     Raises:
         BackendUnavailable: a package or tool is missing, or the build failed.
@@ -251,7 +251,7 @@ def ensure_image(
     if (target / "ready").exists():
         return GuestImage.at(target)
     cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    work = Path(tempfile.mkdtemp(prefix=".build-", dir=cache_dir))
+    work = Path(tempfile.mkdtemp(prefix=f".build-{inputs.key}-", dir=cache_dir))
     try:
         _build(work, inputs, progress)
         try:
@@ -262,6 +262,25 @@ def ensure_image(
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return GuestImage.at(target)
+
+
+def prune_cache(cache_dir: Path, image: GuestImage) -> list[str]:
+    """Remove what older inputs left in `cache_dir`: other images, their snapshots and their
+    KVM verdicts. A VM still running from a removed snapshot keeps its mapping (the file goes
+    when the last one ends). Returns the names removed."""
+    key = image.directory.name.removeprefix("image-")
+    removed: list[str] = []
+    for entry in cache_dir.iterdir():
+        name = entry.name
+        ours = name.startswith(("image-", "template-", "kvm-broken-")) or ".build-" in name
+        if not ours or key in name:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+        removed.append(name)
+    return sorted(removed)
 
 
 def _build(work: Path, inputs: ImageInputs, progress: Progress) -> None:

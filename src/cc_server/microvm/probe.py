@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Final
 
 from cc_server.errors import BackendUnavailable, CcServerError
-from cc_server.microvm.image import GuestImage, ensure_image, stderr_progress
+from cc_server.microvm.image import GuestImage, ensure_image, prune_cache, stderr_progress
 from cc_server.microvm.pool import VmPool
 from cc_server.microvm.vm import MachineConfig
 
@@ -158,6 +158,7 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
         image = await asyncio.to_thread(ensure_image, params.cache_dir, None, stderr_progress)
     except CcServerError as exc:
         return decide(MicroVMFacts(qemu=qemu, kvm_usable=kvm_usable, image_error=exc.message)), None
+    prune_cache(params.cache_dir, image)
     outcomes: dict[str, BootOutcome] = {}
     pools: dict[str, VmPool] = {}
     for accel in params.accels:

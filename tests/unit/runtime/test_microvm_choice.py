@@ -13,7 +13,7 @@ import pytest
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.errors import BackendUnavailable, BadSpec
-from cc_server.microvm.image import ImageInputs, ensure_image
+from cc_server.microvm.image import GuestImage, ImageInputs, ensure_image, prune_cache
 from cc_server.microvm.mounts import plan_mounts
 from cc_server.microvm.probe import QEMU_PACKAGE_HINT, BootOutcome, MicroVMFacts, decide
 from cc_server.microvm.proto import (
@@ -186,3 +186,17 @@ def test_create_time_globs_are_refused_for_microvm(tmp_path: os.PathLike[str]) -
     with pytest.raises(BackendUnavailable, match="create-time globs") as info:
         adapter.launch(spec, deny_create_globs=(".env", "*.pem"))
     assert "native" in (info.value.fix or "")
+
+
+def test_prune_cache_keeps_only_the_current_image(tmp_path: os.PathLike[str]) -> None:
+    cache = pathlib.Path(tmp_path)
+    names = ["image-new", "image-old", "template-2-new-tcg-256m", "template-2-old-tcg-256m",
+             "kvm-broken-image-old-6.1", ".build-old-x", ".build-new-y", "empty"]
+    for name in names:
+        (cache / name).mkdir()
+    (cache / "image-new" / "kernel-release").write_text("6.1\n")
+    removed = prune_cache(cache, GuestImage.at(cache / "image-new"))
+    assert removed == sorted([".build-old-x", "image-old", "kvm-broken-image-old-6.1",
+                              "template-2-old-tcg-256m"])
+    assert sorted(p.name for p in cache.iterdir()) == sorted(
+        [".build-new-y", "empty", "image-new", "template-2-new-tcg-256m"])

@@ -413,6 +413,7 @@ static void do_hello(uint32_t id, const unsigned char *p, size_t len) {
         int fd = open("/dev/urandom", O_WRONLY | O_CLOEXEC);
         if (fd >= 0) {
             ioctl(fd, RNDADDENTROPY, &ent);
+            ioctl(fd, RNDRESEEDCRNG); /* use it now, not at the next timed reseed */
             close(fd);
         }
     }
