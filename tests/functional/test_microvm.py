@@ -18,7 +18,7 @@ import pytest
 from microvm_kit import alive, events_of, launch, manager, read_until, shared_runtime, unique
 from server_kit import running_server
 
-from cc_server.errors import BackendUnavailable
+from cc_server.errors import BackendUnavailable, EnforcementFailed
 from cc_server.microvm.handle import STATE_FILE
 from cc_server.microvm.image import default_cache_dir
 from cc_server.microvm.runtime import remove_stale_vm_dirs
@@ -282,3 +282,32 @@ def test_boot_cleanup_kills_the_qemu_of_a_killed_server(tmp_path: pathlib.Path) 
         for proc in (stand_in, orphan):
             proc.kill()
             proc.wait()
+
+
+async def test_suspend_refused_while_a_bind_is_in_use(tmp_path: pathlib.Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "protected").mkdir()
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
+                              protectedPaths=[str(work / "protected")])
+        async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
+            events = events_of(shell)
+            await shell.write_stdin(b"echo in-$((1+1))\n")
+            await read_until(events, "in-2")
+            qemu_pid = handle.qemu_pid
+            with pytest.raises(EnforcementFailed, match="/work is in use") as info:
+                await handle.suspend()
+            assert info.value.fix
+            # Nothing changed: the same VM, the mounts whole, carve-outs included.
+            assert handle.state is SandboxState.ACTIVE and handle.qemu_pid == qemu_pid
+            assert handle.run_dir is not None and not (handle.run_dir / STATE_FILE).exists()
+            await shell.write_stdin(b"echo a > here; echo b > protected/x; echo done-$((1+1))\n")
+            await read_until(events, "done-2")
+        assert (work / "here").read_text() == "a\n"
+        assert not (work / "protected" / "x").exists()
+        listing = await run_collect(handle, ["ls", "/work"])
+        assert listing.stdout == b"here\nprotected\n"
+    finally:
+        await m.aclose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -29,7 +30,7 @@ from cc_server.microvm.link import (
     Request,
     private_dir,
 )
-from cc_server.microvm.mounts import MountPlan
+from cc_server.microvm.mounts import GuestMount, MountPlan
 from cc_server.microvm.pool import Vm, VmPool
 from cc_server.microvm.proto import ExecFlags, Frame, FrameType, exec_payload, mount_payload
 from cc_server.policy import CompiledPolicy
@@ -141,18 +142,20 @@ class MicroVMHandle(SandboxHandle):
             if not isinstance(exc, Exception):
                 raise
 
-    def _mount_requests(self) -> list[Request]:
+    def _mount_requests(self, steps: tuple[GuestMount, ...] | None = None) -> list[Request]:
         assert self.mount_plan is not None
         return [
             Request(FrameType.MOUNT, mount_payload(step.op, step.guest_path, tag=step.tag,
                                                    read_only=step.read_only), FrameType.RESULT)
-            for step in self.mount_plan.steps
+            for step in (self.mount_plan.steps if steps is None else steps)
         ]
 
-    def _check_mounts(self, replies: list[Frame]) -> None:
+    def _check_mounts(self, replies: list[Frame],
+                      steps: tuple[GuestMount, ...] | None = None) -> None:
         """Raise for the first mount step the guest could not take."""
         assert self.mount_plan is not None
-        for step, reply in zip(self.mount_plan.steps, replies, strict=True):
+        for step, reply in zip(self.mount_plan.steps if steps is None else steps, replies,
+                               strict=True):
             code = struct.unpack_from("<i", reply.payload)[0]
             if code != 0:
                 raise EnforcementFailed(
@@ -161,16 +164,33 @@ class MicroVMHandle(SandboxHandle):
                     fix="check the bind mount's guestPath",
                 )
 
-    async def _apply_mounts(self) -> None:
+    async def _apply_mounts(self, steps: tuple[GuestMount, ...] | None = None) -> None:
         assert self._link is not None
-        self._check_mounts(await self._link.request_many(self._mount_requests()))
+        self._check_mounts(await self._link.request_many(self._mount_requests(steps)), steps)
 
     async def _detach_mounts(self) -> None:
+        """Unmount every step, last first (QEMU cannot save a VM with a 9p share mounted). A
+        busy mount stays, and so does everything under it: the steps taken off are put back
+        and EnforcementFailed is raised, with the VM running as before."""
         assert self._link is not None and self.mount_plan is not None
-        await self._link.request_many([
-            Request(FrameType.UNMOUNT, point.encode() + b"\0", FrameType.RESULT)
-            for point in self.mount_plan.mount_points
+        steps = tuple(reversed(self.mount_plan.steps))
+        replies = await self._link.request_many([
+            Request(FrameType.UNMOUNT, step.guest_path.encode() + b"\0", FrameType.RESULT)
+            for step in steps
         ])
+        codes = [struct.unpack_from("<i", reply.payload)[0] for reply in replies]
+        # EINVAL: not a mount point (a hidden path that did not exist); nothing to take off.
+        taken = tuple(s for s, c in zip(steps, codes, strict=True) if c == 0)
+        busy = [s for s, c in zip(steps, codes, strict=True) if c not in (0, errno.EINVAL)]
+        if busy:
+            await self._apply_mounts(tuple(reversed(taken)))
+            raise EnforcementFailed(
+                f"the microVM cannot be suspended while {busy[0].guest_path} is in use "
+                f"({os.strerror(codes[steps.index(busy[0])])}): QEMU cannot save a VM with a "
+                "shared folder mounted",
+                fix="end the commands that hold files on a bind mount (a shell whose working "
+                "directory is in one), then suspend again",
+            )
 
     async def suspend(self) -> None:
         """Write the VM's whole state to disk and end its QEMU (its RAM is released). Running
@@ -178,8 +198,9 @@ class MicroVMHandle(SandboxHandle):
 
         Raises:
             BadSpec: the handle is not warm or active.
-            EnforcementFailed: QEMU could not save it; the VM keeps running. QEMU cannot save
-                a VM while a process in it holds a file on a bind mount open (cwd included).
+            EnforcementFailed: the VM could not be saved and keeps running, its mounts whole:
+                QEMU cannot save a VM with a 9p share mounted, so a process in it that holds a
+                file on a bind mount (its working directory included) prevents a suspend.
         """
         await self.ready()
         async with self._lock:
@@ -193,8 +214,7 @@ class MicroVMHandle(SandboxHandle):
                 await self._apply_mounts()
                 raise EnforcementFailed(
                     f"the microVM could not be suspended: {exc.message}",
-                    fix="end the commands that hold files on a bind mount (a shell whose "
-                    "working directory is in one), then suspend again",
+                    fix="see QEMU's log in the VM's directory",
                 ) from exc
             self._vm = None
             self.details.pop("qemuPid", None)

@@ -46,12 +46,6 @@ class MountPlan:
     shares: tuple[Share, ...]
     steps: tuple[GuestMount, ...]
 
-    @property
-    def mount_points(self) -> tuple[str, ...]:
-        """The 9p mount points, deepest first (the order to detach them in)."""
-        points = [s.guest_path for s in self.steps if s.op is MountOp.NINEP]
-        return tuple(sorted(points, key=lambda p: p.count("/"), reverse=True))
-
 
 def _under(path: str, root: str) -> str | None:
     """`path` relative to `root` ("" for the root itself), or None when outside it."""

@@ -389,7 +389,8 @@ static void do_mount(uint32_t id, const unsigned char *p, size_t len) {
 
 static void do_unmount(uint32_t id, const unsigned char *p, size_t len) {
     if (len < 2 || p[len - 1] != 0) { send_result(id, EINVAL, "bad unmount frame"); return; }
-    int rc = umount2((const char *)p, MNT_DETACH);
+    /* Not MNT_DETACH: a busy mount must stay whole (the caller puts back what it took off). */
+    int rc = umount2((const char *)p, 0);
     send_result(id, rc == 0 ? 0 : errno, rc == 0 ? "ok" : strerror(errno));
 }
 
