@@ -524,16 +524,51 @@ static bool state_settled(struct ccs *s, pid_t tid) {
     return n == 0;
 }
 
+/* Whether a set*id call by this task cannot change its fs credentials: its real, effective,
+ * saved and fs ids are one uid and one gid, and it lacks CAP_SETUID and CAP_SETGID even in its
+ * permitted set (so no capset can bring them back; no_new_privs keeps exec from adding them).
+ * Such a task may only "change" to the ids it has, and setgroups is refused to it. This is
+ * every task in a sandbox: the launcher leaves no capability. */
+static bool ids_fixed(const char *text) {
+    const char *keys[2] = {"Uid:", "Gid:"};
+    for (int k = 0; k < 2; k++) {
+        unsigned long first, v;
+        const char *f = status_field(text, keys[k]);
+        if (!nth_number(f, 0, &first))
+            return false;
+        for (int i = 1; i < 4; i++)
+            if (!nth_number(f, i, &v) || v != first)
+                return false;
+    }
+    const char *f = status_field(text, "CapPrm:");
+    if (!f)
+        return false;
+    unsigned long long prm = strtoull(f, NULL, 16);
+    return !(prm & ((1ULL << CAP_SETUID) | (1ULL << CAP_SETGID)));
+}
+
 /* umask(2) or a set*id call: recorded as pending, then let run (it names no path, so there is
- * nothing to check and nothing the task could change under us). */
+ * nothing to check and nothing the task could change under us). A set*id call that cannot
+ * change anything (ids_fixed) leaves the cache as it is. */
 static void state_change(struct ccs *s, struct seccomp_notif *n) {
     state_settled(s, (pid_t)n->pid); /* this thread's earlier change has run */
     char name[48];
     snprintf(name, sizeof name, "%u/status", n->pid);
     int fd = openat(s->proc_fd, name, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && errno == ENOENT)
+        fd = -2; /* the task is gone: its call will never run */
+    if (fd >= 0 && n->data.nr != SYS_umask) {
+        char text[STATUS_BYTES];
+        if (read_status(fd, text, sizeof text) == 0 && ids_fixed(text)) {
+            close(fd);
+            fd = -2; /* nothing to track */
+        }
+    }
     pthread_mutex_lock(&s->lock);
     int np = atomic_load(&s->npending);
-    if (fd < 0 || np >= MAX_PENDING) {
+    if (fd == -2) {
+        /* cannot change anything */
+    } else if (fd < 0 || np >= MAX_PENDING) {
         atomic_store(&s->cache_off, true); /* untracked: never trust a cached status again */
         if (fd >= 0)
             close(fd);
@@ -543,7 +578,8 @@ static void state_change(struct ccs *s, struct seccomp_notif *n) {
                                           .want = (mode_t)(n->data.args[0] & 0777)};
         atomic_store(&s->npending, np + 1);
     }
-    atomic_fetch_add(&s->state_gen, 1);
+    if (fd != -2)
+        atomic_fetch_add(&s->state_gen, 1);
     pthread_mutex_unlock(&s->lock);
     struct seccomp_notif_resp resp;
     memset(&resp, 0, sizeof resp);
