@@ -3,10 +3,12 @@
 bubblewrap can hide or freeze a path that exists; it cannot refuse a name that does not exist yet.
 This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`):
 
-- `notify_filter_bpf()` is the filter. It traps only what can bring a name into existence:
+- `notify_filter_bpf()` is the filter. It traps what can bring a name into existence:
   `open`/`openat` when O_CREAT is set (checked in BPF, so plain opens never leave the kernel),
   `creat`, `mknod(at)`, `mkdir(at)`, `link(at)`, `symlink(at)`, `rename`, `renameat(2)` and
-  every `bind` (the sockaddr is in memory BPF cannot read). `openat2` gets ENOSYS (its flags are
+  every `bind` (the sockaddr is in memory BPF cannot read); and `umask` and the `set*id` calls,
+  which the supervisor lets run once it has noted them, so it can keep what it read of a task
+  instead of reading `/proc/<tid>/status` for every create. `openat2` gets ENOSYS (its flags are
   in memory too; libc callers fall back), io_uring EPERM (its operations bypass seccomp), and a
   `seccomp()` call asking for another listener EPERM: a newer filter's listener would receive
   the notifications first and could answer them itself.
@@ -23,11 +25,11 @@ This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`)
   name with EACCES. Its module comment lists every step.
 
 Why compiled, and why these two pieces: the Python spike cost ~110 µs per create; the C workers
-spend ~21 µs of CPU per create, have no GIL to share with the server's event loop, and can drop
-their capabilities and unshare their fs attributes per thread. What remains of the 40-80 µs a
-create costs on a 2-vCPU VM is the kernel waking the process to install the fd (docs/SPEC.md,
-P131). The launcher must be a separate executable because it runs inside the sandbox, where the
-server's Python is not.
+spend ~10 µs of CPU per create before the answer (plus the create itself), have no GIL to share
+with the server's event loop, and can drop their capabilities and unshare their fs attributes
+per thread. The rest of what a create costs on a 2-vCPU VM is the kernel switching to the
+supervisor and back (docs/SPEC.md, P131). The launcher must be a separate executable because it
+runs inside the sandbox, where the server's Python is not.
 Both are built by `scripts/bootstrap` with gcc; the probe reports the capability only when both
 exist and the kernel passes the launcher's `--selftest`.
 

@@ -9,10 +9,11 @@
  * re-read memory the process can still change after the check.
  *
  * Per notification (see handle()):
- *   1. open /proc/<tid> of the trapping thread and read its status (umask, fsuid, fsgid,
- *      groups, pids in its own namespace); copy the path strings with process_vm_readv;
- *      then SECCOMP_IOCTL_NOTIF_ID_VALID: the fd and the bytes belong to the live task.
- *      From here on only the copies are used.
+ *   1. know the trapping thread: its /proc/<tid> and what its status says (umask, fsuid,
+ *      fsgid, groups, pids in its own namespace), read once and then kept per worker while
+ *      the thread lives and nothing could have changed it (struct tid_entry); copy the path
+ *      strings with process_vm_readv; then SECCOMP_IOCTL_NOTIF_ID_VALID: the fds and the
+ *      bytes belong to the live task. From here on only the copies are used.
  *   2. resolve each path ourselves, component by component, with O_PATH|O_NOFOLLOW fds,
  *      starting at the thread's root, cwd or fd (from /proc/<tid>), so the walk stays in the
  *      sandbox's mounts: symlinks are spliced in by hand (at most 40; absolute ones restart at
@@ -30,10 +31,17 @@
  * notification from a task whose fsuid, fsgid or groups differ is refused. Each worker has its
  * own fs_struct (unshare(CLONE_FS)) so it can take on the process's umask.
  *
- * Threads: NWORKERS workers take turns as leader (poll + RECV under one mutex, then handle
- * outside it). An open of an existing FIFO that would block is finished by a detached helper
- * thread, so no FIFO can stall the workers; a helper whose process died, or that is still
- * waiting when the supervisor stops, is released by opening its FIFO O_RDWR once.
+ * umask(2) and the set*id calls are trapped too, only so that the cache of step 1 stays true:
+ * they name no path, and are let run (SECCOMP_USER_NOTIF_FLAG_CONTINUE) once noted (see
+ * state_change). Every call that can create a name is emulated, never continued.
+ *
+ * Threads: every idle worker polls the listener (the kernel wakes pollers on the trapping
+ * task's CPU when SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP took); one takes each notification (poll
+ * with no timeout + RECV under a mutex, so RECV never blocks) and handles it outside the lock.
+ * While one waits for its fd to be installed, another is ready for the next call. An open of
+ * an existing FIFO that would block is finished by a detached helper thread, so no FIFO can
+ * stall the workers; a helper whose process died, or that is still waiting when the supervisor
+ * stops, is released by opening its FIFO O_RDWR once.
  *
  * Fail-closed: anything that cannot be decoded or emulated is refused with an error; if the
  * supervisor is gone, the kernel fails every trapped call with ENOSYS.
