@@ -501,9 +501,10 @@ static int status_umask(const char *text) {
 /*
  * Retire the pending state changes that have surely run, and say whether none is left (then a
  * task_info read from now on stays true until state_gen moves). A change by thread Y is over
- * when Y is making another call (`tid`: its earlier one has returned), when Y is gone, or, for
- * umask, when Y's status already shows the umask it sets (if it has not run yet, running it
- * changes nothing).
+ * when Y is making another call (`tid`: its earlier one has returned) or when Y is gone. A
+ * umask change that is the only one pending is also over when Y's status already shows the
+ * umask it sets: if it has not run yet, running it changes nothing. (With two pending, the
+ * other may run in between and the first then does change it back.)
  */
 static bool state_settled(struct ccs *s, pid_t tid) {
     if (atomic_load(&s->cache_off))
@@ -512,19 +513,24 @@ static bool state_settled(struct ccs *s, pid_t tid) {
         return true;
     pthread_mutex_lock(&s->lock);
     int n = atomic_load(&s->npending);
-    for (int i = 0; i < n;) {
-        struct pending *p = &s->pending[i];
-        bool over = p->tid == tid;
-        if (!over) {
-            char text[STATUS_BYTES];
-            int err = read_status(p->status_fd, text, sizeof text);
-            over = err == ESRCH || (!err && p->is_umask && status_umask(text) == (int)p->want);
-        }
-        if (over) {
-            close(p->status_fd);
-            *p = s->pending[--n];
-        } else {
-            i++;
+    for (int pass = 0; pass < 2 && n > 0; pass++) {
+        if (pass == 1 && n != 1)
+            break;
+        for (int i = 0; i < n;) {
+            struct pending *p = &s->pending[i];
+            bool over = pass == 0 && p->tid == tid;
+            if (!over) {
+                char text[STATUS_BYTES];
+                int err = read_status(p->status_fd, text, sizeof text);
+                over = err == ESRCH ||
+                       (pass == 1 && !err && p->is_umask && status_umask(text) == (int)p->want);
+            }
+            if (over) {
+                close(p->status_fd);
+                *p = s->pending[--n];
+            } else {
+                i++;
+            }
         }
     }
     atomic_store(&s->npending, n);
