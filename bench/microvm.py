@@ -49,15 +49,35 @@ def fmt(values: list[float], unit: str = "ms") -> str:
             f" n={len(values)}")
 
 
+def _tree(root: int) -> list[int]:
+    """`root` and its descendants (bubblewrap, its init, QEMU)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(name))
+    found, stack = [], [root]
+    while stack:
+        pid = stack.pop()
+        found.append(pid)
+        stack.extend(children.get(pid, []))
+    return found
+
+
 def smaps(pid: int) -> tuple[float, float]:
-    """(RSS, PSS) of a process in MiB."""
+    """(RSS, PSS) in MiB of a VM's host process tree."""
     rss = pss = 0.0
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Rss:"):
-                rss = int(line.split()[1]) / 1024
-            elif line.startswith("Pss:"):
-                pss = int(line.split()[1]) / 1024
+    for member in _tree(pid):
+        with open(f"/proc/{member}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Rss:"):
+                    rss += int(line.split()[1]) / 1024
+                elif line.startswith("Pss:"):
+                    pss += int(line.split()[1]) / 1024
     return rss, pss
 
 

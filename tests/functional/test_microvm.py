@@ -16,7 +16,7 @@ import time
 import aiohttp
 import pytest
 from microvm_kit import alive, events_of, launch, manager, read_until, shared_runtime, unique
-from server_kit import running_server
+from server_kit import host_pids_with, running_server
 
 from cc_server.errors import BackendUnavailable, EnforcementFailed
 from cc_server.microvm.handle import STATE_FILE
@@ -136,6 +136,7 @@ async def test_suspend_resume_keeps_the_shell(tmp_path: pathlib.Path) -> None:
             await handle.suspend()
             assert handle.state is SandboxState.SUSPENDED
             assert not alive(qemu_pid)  # QEMU ended: its RAM is released
+            assert host_pids_with(str(handle.run_dir)) == []
             assert handle.run_dir is not None and (handle.run_dir / STATE_FILE).exists()
             await handle.resume()
             assert handle.state is SandboxState.ACTIVE and handle.qemu_pid != qemu_pid
@@ -166,6 +167,7 @@ async def test_destroy_leaves_nothing(tmp_path: pathlib.Path) -> None:
         await m.destroy(handle.session_id)
     assert handle.state is SandboxState.DESTROYED
     assert not alive(qemu_pid)
+    assert host_pids_with(str(run_dir)) == []  # QEMU too, not only its bubblewrap
     assert not run_dir.exists()  # sockets, logs, state: all of it
     assert sorted(os.listdir(default_cache_dir())) == cache_before  # no image copy
 

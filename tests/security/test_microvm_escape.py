@@ -9,6 +9,7 @@ guest, which has no route to anything).
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -136,5 +137,47 @@ async def test_the_agent_channel_is_out_of_reach(tmp_path: pathlib.Path) -> None
             assert escaped not in out, (escaped, out, result.stderr)
         after = await run_collect(handle, ["echo", "agent-still-answers"])
         assert after.stdout == b"agent-still-answers\n"
+    finally:
+        await m.aclose()
+
+
+def _qemu_in(root: int) -> int:
+    """QEMU's pid in the VM's host process tree (bubblewrap's child's child)."""
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv0 = f.read().split(b"\0")[0]
+            with open(f"/proc/{name}/status") as f:
+                ppid = int(next(x for x in f if x.startswith("PPid:")).split()[1])
+        except OSError:
+            continue
+        if argv0.endswith(b"qemu-system-x86_64"):
+            chain = ppid
+            for _ in range(3):
+                if chain == root:
+                    return int(name)
+                with open(f"/proc/{chain}/status") as f:
+                    chain = int(next(x for x in f if x.startswith("PPid:")).split()[1])
+    raise AssertionError(f"no QEMU under {root}")
+
+
+async def test_qemu_itself_sees_only_its_own_files(tmp_path: pathlib.Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "outside").write_text("not for QEMU\n")
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}])
+        assert handle.qemu_pid is not None
+        qemu = _qemu_in(handle.qemu_pid)
+        root = f"/proc/{qemu}/root"
+        assert os.path.isdir(f"{root}{work}")  # the share it serves
+        assert not os.path.exists(f"{root}{tmp_path}/outside")  # nothing else of the host
+        assert not os.path.exists(f"{root}/etc/hostname")
+        assert os.listdir(f"{root}/etc") == ["ld.so.cache"]
+        for ns in ("net", "pid", "ipc", "uts"):  # no network at all: the guest has no device
+            assert os.readlink(f"/proc/{qemu}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
     finally:
         await m.aclose()

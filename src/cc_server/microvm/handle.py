@@ -85,7 +85,8 @@ class MicroVMHandle(SandboxHandle):
 
     @property
     def qemu_pid(self) -> int | None:
-        """The running QEMU's pid; None while created, suspended or destroyed."""
+        """The host pid of the running VM's process (bubblewrap around QEMU when QEMU is
+        confined; QEMU dies with it); None while created, suspended or destroyed."""
         return self._vm.qemu.pid if self._vm is not None else None
 
     def start(self) -> None:

@@ -27,7 +27,14 @@ from cc_server.errors import EnforcementFailed
 from cc_server.microvm.image import GuestImage
 from cc_server.microvm.link import AgentLink, Request, hello_request
 from cc_server.microvm.proto import Frame
-from cc_server.microvm.vm import MachineConfig, Qemu, Share, qemu_argv
+from cc_server.microvm.vm import (
+    Confinement,
+    MachineConfig,
+    Qemu,
+    Share,
+    confined_argv,
+    qemu_argv,
+)
 
 __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 
@@ -62,9 +69,16 @@ class VmPool:
     """Boots the template once (per image and accelerator) and restores VMs from it."""
 
     def __init__(
-        self, *, qemu: str, image: GuestImage, config: MachineConfig, cache_dir: Path
+        self,
+        *,
+        qemu: str,
+        image: GuestImage,
+        config: MachineConfig,
+        cache_dir: Path,
+        bwrap: str | None = None,
     ) -> None:
         self.qemu = qemu
+        self.bwrap = bwrap  # QEMU runs under bubblewrap when set (see vm.confined_argv)
         self.image = image
         self.config = config
         self.cache_dir = cache_dir
@@ -83,7 +97,7 @@ class VmPool:
         shares: Sequence[Share | None],
         incoming: bool,
     ) -> tuple[str, ...]:
-        return qemu_argv(
+        argv = qemu_argv(
             self.qemu,
             self.image,
             self.config,
@@ -93,6 +107,21 @@ class VmPool:
             shares=shares,
             empty_dir=self.empty_dir,
             incoming=incoming,
+        )
+        if self.bwrap is None:
+            return argv
+        writable = [str(run_dir)]
+        if ram is not None and ram.parent != run_dir:
+            # QEMU 7.2 opens a RAM file read-write even to map it copy-on-write (its `readonly`
+            # makes guest RAM read-only), so the template's RAM file is the one file of the cache
+            # it can reach writably; `template()` checks its hash (see the threat model).
+            writable.append(str(ram))
+        return confined_argv(
+            Confinement(bwrap=self.bwrap,
+                        read_only=(str(self.image.directory), str(self.empty_dir)),
+                        writable=tuple(writable), kvm=self.config.accel == "kvm"),
+            argv,
+            shares,
         )
 
     async def template(self) -> Template:

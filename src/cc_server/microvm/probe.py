@@ -58,6 +58,7 @@ class MicroVMFacts:
     image_error: str | None = None  # why no guest image could be had (None: it is there)
     kvm_boot: BootOutcome | None = None  # None: not tried
     tcg_boot: BootOutcome | None = None
+    qemu_confined: bool = False  # QEMU runs under bubblewrap (bwrap found)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -70,6 +71,7 @@ class MicroVMProbe:
     fix: str | None = None
     qemu: str | None = None
     kvm_detail: str = ""  # why KVM was not used, when it was not
+    qemu_confined: bool = False  # QEMU itself runs under bubblewrap
 
     def to_json(self) -> dict[str, object]:
         """JSON-ready form (cc-server probe, logs)."""
@@ -80,6 +82,7 @@ class MicroVMProbe:
             "fix": self.fix,
             "qemu": self.qemu,
             "kvmDetail": self.kvm_detail or None,
+            "qemuConfined": self.qemu_confined,
         }
 
     def unavailable_error(self) -> BackendUnavailable:
@@ -109,15 +112,18 @@ def decide(facts: MicroVMFacts) -> MicroVMProbe:
         kvm_detail = "KVM was not boot-tested"
     elif facts.kvm_boot.ok:
         return MicroVMProbe(
-            available=True, accel="kvm", qemu=facts.qemu,
-            reason="QEMU microvm under KVM: a guest booted and its agent answered",
+            available=True, accel="kvm", qemu=facts.qemu, qemu_confined=facts.qemu_confined,
+            reason="QEMU microvm under KVM: a guest booted and its agent answered"
+            + _confinement(facts),
         )
     else:
         kvm_detail = f"a guest did not boot under KVM ({facts.kvm_boot.detail})"
     if facts.tcg_boot is not None and facts.tcg_boot.ok:
         return MicroVMProbe(
             available=True, accel="tcg", qemu=facts.qemu, kvm_detail=kvm_detail,
-            reason=f"QEMU microvm under TCG (software emulation): {kvm_detail}",
+            qemu_confined=facts.qemu_confined,
+            reason=f"QEMU microvm under TCG (software emulation): {kvm_detail}"
+            + _confinement(facts),
         )
     tcg = facts.tcg_boot.detail if facts.tcg_boot is not None else "not tried"
     return MicroVMProbe(
@@ -125,6 +131,12 @@ def decide(facts: MicroVMFacts) -> MicroVMProbe:
         reason=f"no accelerator boots a guest: {kvm_detail}; TCG: {tcg}",
         fix="check QEMU's log in the microVM cache directory; on a KVM host, check /dev/kvm",
     )
+
+
+def _confinement(facts: MicroVMFacts) -> str:
+    if facts.qemu_confined:
+        return "; QEMU runs under bubblewrap"
+    return "; QEMU runs unconfined by bubblewrap (bwrap not found: apt-get install bubblewrap)"
 
 
 BootTest = Callable[[str], Awaitable[BootOutcome]]
@@ -149,6 +161,8 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
     """
     qemu = params.which(QEMU_BINARY)
     qemu = os.path.realpath(qemu) if qemu else None
+    bwrap = params.which("bwrap")  # confines QEMU itself when present (vm.confined_argv)
+    bwrap = os.path.realpath(bwrap) if bwrap else None
     kvm_usable = os.path.exists(params.kvm_device) and os.access(
         params.kvm_device, os.R_OK | os.W_OK
     )
@@ -165,7 +179,7 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
         if accel == "kvm" and not kvm_usable:
             continue
         pool = VmPool(qemu=qemu, image=image, config=MachineConfig(accel=accel),
-                      cache_dir=params.cache_dir)
+                      cache_dir=params.cache_dir, bwrap=bwrap)
         outcomes[accel] = await _boot_test(pool, params.cache_dir, image)
         pools[accel] = pool
         if outcomes[accel].ok:
@@ -176,6 +190,7 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
             kvm_usable=kvm_usable,
             kvm_boot=outcomes.get("kvm"),
             tcg_boot=outcomes.get("tcg"),
+            qemu_confined=bwrap is not None,
         )
     )
     return verdict, pools.get(verdict.accel) if verdict.accel else None

@@ -17,7 +17,7 @@ import json
 import os
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -30,11 +30,13 @@ from cc_server.policy import SandboxBackend
 
 __all__ = [
     "MOUNT_SLOTS",
+    "Confinement",
     "MachineConfig",
     "Qemu",
     "QmpClient",
     "QmpError",
     "Share",
+    "confined_argv",
     "qemu_argv",
     "slot_tag",
 ]
@@ -148,6 +150,55 @@ def qemu_argv(
     if incoming:
         argv += ["-incoming", "defer"]
     return tuple(argv)
+
+
+# The host directories QEMU needs besides the VM's own files: its binary, libraries and firmware.
+_SYSTEM_DIRS: Final = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/usr")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Confinement:
+    """What QEMU may see when it runs under bubblewrap: everything else of the host is gone."""
+
+    bwrap: str  # absolute, resolved by the probe
+    read_only: tuple[str, ...]  # the image, the template, the empty slot directory
+    writable: tuple[str, ...]  # the VM's run directory (the template's, while it is built)
+    kvm: bool = False
+
+
+def confined_argv(
+    confinement: Confinement,
+    argv: tuple[str, ...],
+    shares: Sequence[Share | None],
+    *,
+    is_symlink: Callable[[str], bool] = os.path.islink,
+    readlink: Callable[[str], str] = os.readlink,
+    exists: Callable[[str], bool] = os.path.exists,
+) -> tuple[str, ...]:
+    """`argv` (a QEMU command line) wrapped in bubblewrap: new user-invisible namespaces for
+    everything (QEMU needs no network: the guest has no network device), the system directories
+    read-only, the VM's files, and each share at its own path, read-only where the share is
+    (a second lock besides `-fsdev readonly=on`). QEMU dies with the server (`--die-with-parent`),
+    so a killed server leaves no VM running. Pure: runs nothing."""
+    out = [confinement.bwrap, "--die-with-parent", "--unshare-all", "--new-session",
+           "--clearenv", "--proc", "/proc", "--dev", "/dev"]
+    for path in _SYSTEM_DIRS:
+        if is_symlink(path):
+            out += ["--symlink", readlink(path), path]
+        elif exists(path):
+            out += ["--ro-bind", path, path]
+    if exists("/etc/ld.so.cache"):
+        out += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    if confinement.kvm:
+        out += ["--dev-bind", "/dev/kvm", "/dev/kvm"]
+    for path in confinement.read_only:
+        out += ["--ro-bind", path, path]
+    for path in confinement.writable:
+        out += ["--bind", path, path]
+    for share in shares:
+        if share is not None:
+            out += ["--ro-bind" if share.read_only else "--bind", share.host_path, share.host_path]
+    return (*out, "--", *argv)
 
 
 class QmpError(EnforcementFailed):

@@ -27,7 +27,7 @@ from cc_server.microvm.proto import (
     exec_payload,
 )
 from cc_server.microvm.runtime import MicroVMRuntime
-from cc_server.microvm.vm import MOUNT_SLOTS
+from cc_server.microvm.vm import MOUNT_SLOTS, Confinement, Share, confined_argv
 from cc_server.policy import HostFacts, Platform, SandboxBackend, compile_policy, parse_spec
 from cc_server.runtime.port import MicroVMSandboxAdapter
 from cc_server.runtime.select import choose_backend
@@ -200,3 +200,23 @@ def test_prune_cache_keeps_only_the_current_image(tmp_path: os.PathLike[str]) ->
                               "template-2-old-tcg-256m"])
     assert sorted(p.name for p in cache.iterdir()) == sorted(
         [".build-new-y", "empty", "image-new", "template-2-new-tcg-256m"])
+
+
+def test_confined_argv_shows_qemu_only_its_files() -> None:
+    argv = confined_argv(
+        Confinement(bwrap="/usr/bin/bwrap", read_only=("/c/image",), writable=("/r/vm",)),
+        ("/usr/bin/qemu-system-x86_64", "-name", "/r/vm"),
+        [Share(host_path="/w/rw", read_only=False), None, Share(host_path="/w/ro",
+                                                                 read_only=True)],
+        is_symlink=lambda p: p in ("/bin", "/lib"),
+        readlink=lambda p: "usr" + p,
+        exists=lambda p: p in ("/usr", "/etc/ld.so.cache"),
+    )
+    text = " ".join(argv)
+    assert argv[:5] == ("/usr/bin/bwrap", "--die-with-parent", "--unshare-all",
+                        "--new-session", "--clearenv")
+    assert "--symlink usr/bin /bin" in text and "--ro-bind /usr /usr" in text
+    assert "--ro-bind /c/image /c/image" in text and "--bind /r/vm /r/vm" in text
+    assert "--bind /w/rw /w/rw" in text and "--ro-bind /w/ro /w/ro" in text
+    assert "/dev/kvm" not in text and "--share-net" not in text and "/home" not in text
+    assert argv[argv.index("--"):] == ("--", "/usr/bin/qemu-system-x86_64", "-name", "/r/vm")
