@@ -5,6 +5,7 @@ nested kind that cannot boot a guest), on KVM where the probe finds it works."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import pathlib
 import secrets
@@ -21,6 +22,7 @@ from server_kit import host_pids_with, running_server
 from cc_server.errors import BackendUnavailable, EnforcementFailed
 from cc_server.microvm.handle import STATE_FILE
 from cc_server.microvm.image import default_cache_dir
+from cc_server.microvm.pool import VmPool
 from cc_server.microvm.runtime import remove_stale_vm_dirs
 from cc_server.policy import SandboxBackend, parse_spec
 from cc_server.runtime.events import SandboxState
@@ -313,3 +315,26 @@ async def test_suspend_refused_while_a_bind_is_in_use(tmp_path: pathlib.Path) ->
         assert listing.stdout == b"here\nprotected\n"
     finally:
         await m.aclose()
+
+
+async def test_a_changed_snapshot_is_not_restored(
+    tmp_path: pathlib.Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    pool = shared_runtime().pool
+    assert pool is not None
+    cache = tmp_path / "cache"
+    first = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=cache,
+                   bwrap=pool.bwrap)
+    template = await first.template()
+    with open(template.ram, "r+b") as ram:  # what a compromised QEMU could do to the file
+        ram.seek(1 << 20)
+        ram.write(b"\x90" * 64)
+    again = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=cache,
+                   bwrap=pool.bwrap)
+    with caplog.at_level(logging.WARNING, logger="cc_server.microvm"):
+        rebuilt = await again.template()
+    assert any("changed on disk" in r.getMessage() for r in caplog.records)
+    assert again._intact()
+    with open(rebuilt.ram, "rb") as ram:
+        ram.seek(1 << 20)
+        assert ram.read(64) != b"\x90" * 64

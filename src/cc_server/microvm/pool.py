@@ -16,8 +16,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,8 +41,9 @@ from cc_server.microvm.vm import (
 
 __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 
+log = logging.getLogger("cc_server.microvm")
 BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
-TEMPLATE_FORMAT: Final = 2  # bump when the machine's device set changes
+TEMPLATE_FORMAT: Final = 3  # bump when the machine's device set changes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,8 +137,14 @@ class VmPool:
         async with self._lock:
             if self._template is None:
                 ready = self.template_dir / "ready"
+                if ready.exists() and not await asyncio.to_thread(self._intact):
+                    # Every VM maps this RAM; a changed file would change every guest.
+                    log.warning("microVM snapshot %s changed on disk; booting a new one",
+                                self.template_dir)
+                    shutil.rmtree(self.template_dir, ignore_errors=True)
                 if not ready.exists():
                     await self._build_template()
+                    self._prune_older_formats()
                 self._template = Template(
                     directory=self.template_dir,
                     ram=self.template_dir / "ram.img",
@@ -142,31 +152,49 @@ class VmPool:
                 )
             return self._template
 
+    def _prune_older_formats(self) -> None:
+        """Remove this image's snapshots of an older machine format (same accelerator)."""
+        suffix = self.template_dir.name.split("-", 2)[2]
+        for entry in self.cache_dir.glob(f"template-*-{suffix}"):
+            if entry != self.template_dir and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def _intact(self) -> bool:
+        """Whether the template's RAM file still has the hash it was saved with."""
+        try:
+            saved = (self.template_dir / "ram.sha256").read_text().strip()
+        except OSError:
+            return False
+        return _sha256(self.template_dir / "ram.img") == saved
+
     async def _build_template(self) -> None:
         self.empty_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         work = self.template_dir.with_name(self.template_dir.name + f".build-{os.getpid()}")
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True, mode=0o700)
+        # The boot's sockets and logs live in a short private directory: a Unix socket path
+        # must fit in 108 bytes, and the cache directory may be deep.
+        run = Path(tempfile.mkdtemp(prefix="cc-vm-build-"))
         try:
             ram = work / "ram.img"
             with open(ram, "wb") as f:
                 f.truncate(self.config.memory_mib << 20)
             link = AgentLink(lambda: None)
             qemu = await Qemu.launch(
-                self._argv(work, ram=ram, ram_shared=True, shares=(), incoming=False), work
+                self._argv(run, ram=ram, ram_shared=True, shares=(), incoming=False), run
             )
-            vm = Vm(qemu, work, link)
+            vm = Vm(qemu, run, link)
             try:
                 try:
                     async with asyncio.timeout(BOOT_TIMEOUT_S):
                         await link.wait_startup(
-                            work / "agent.sock", alive=lambda: qemu.returncode is None
+                            run / "agent.sock", alive=lambda: qemu.returncode is None
                         )
                         await link.hello()
                 except TimeoutError as exc:
                     raise EnforcementFailed(
                         f"the template VM did not boot in {BOOT_TIMEOUT_S} s: "
-                        + _console_tail(work),
+                        + _console_tail(run),
                         fix="check the accelerator (cc-server probe) and the image",
                     ) from exc
                 await link.detach()
@@ -178,14 +206,13 @@ class VmPool:
                     os.close(fd)
             finally:
                 await vm.stop()
-            for name in ("agent.sock", "qmp.sock"):
-                with contextlib.suppress(FileNotFoundError):
-                    (work / name).unlink()
+            (work / "ram.sha256").write_text(_sha256(work / "ram.img") + "\n")
             (work / "ready").write_text("")
             if not self.template_dir.exists():
                 os.replace(work, self.template_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
+            shutil.rmtree(run, ignore_errors=True)
 
     async def restore(
         self,
@@ -275,6 +302,14 @@ class VmPool:
             raise
         os.close(fd)
         await vm.qemu.quit()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _console_tail(run_dir: Path) -> str:
