@@ -6,9 +6,9 @@ This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`)
 - `notify_filter_bpf()` is the filter. It traps what can bring a name into existence:
   `open`/`openat` when O_CREAT is set (checked in BPF, so plain opens never leave the kernel),
   `creat`, `mknod(at)`, `mkdir(at)`, `link(at)`, `symlink(at)`, `rename`, `renameat(2)` and
-  every `bind` (the sockaddr is in memory BPF cannot read); and `umask` and the `set*id` calls,
-  which the supervisor lets run once it has noted them, so it can keep what it read of a task
-  instead of reading `/proc/<tid>/status` for every create. `openat2` gets ENOSYS (its flags are
+  every `bind` (the sockaddr is in memory BPF cannot read); and `umask`, the `set*id` calls and
+  `execve(at)`, which the supervisor lets run once it has noted them, so it can keep what it read
+  of a task instead of reading `/proc/<tid>/status` for every create. `openat2` gets ENOSYS (its flags are
   in memory too; libc callers fall back), io_uring EPERM (its operations bypass seccomp), and a
   `seccomp()` call asking for another listener EPERM: a newer filter's listener would receive
   the notifications first and could answer them itself.
@@ -112,11 +112,12 @@ TRAPPED_SYSCALLS: Final[tuple[tuple[str, str], ...]] = (
     ("bind", "an AF_UNIX pathname socket creates a name; the family is in memory"),
 )
 # Trapped so the supervisor can cache what it reads of a task: these are the only calls that
-# change its umask or its fs credentials. They name no path; the supervisor notes the change and
+# change its umask or its fs credentials, and an exec by a thread that does not lead its group
+# takes over the leader's thread id. None creates a name; the supervisor notes the change and
 # lets them run (SECCOMP_USER_NOTIF_FLAG_CONTINUE).
 STATE_SYSCALLS: Final[tuple[str, ...]] = (
     "umask", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid",
-    "setfsuid", "setfsgid", "setgroups",
+    "setfsuid", "setfsgid", "setgroups", "execve", "execveat",
 )  # fmt: skip
 SECCOMP_SET_MODE_FILTER: Final = 1
 SECCOMP_FILTER_FLAG_NEW_LISTENER: Final = 1 << 3

@@ -395,7 +395,7 @@ def test_reads_never_reach_the_supervisor(tmp_path: pathlib.Path) -> None:
     assert launch.proc.wait(timeout=30) == 0
     handled = launch.supervisor.stats().handled
     launch.finish()
-    assert handled == 0
+    assert handled == 1  # the launcher's exec of the command, noted and let run; no read
 
 
 def test_a_racing_thread_never_gets_a_matching_name_created(tmp_path: pathlib.Path) -> None:
@@ -551,3 +551,37 @@ def test_state_calls_run_natively_and_report_nothing(tmp_path: pathlib.Path) -> 
     ], result  # fmt: skip
     assert result.reports == []
     assert handled >= 9, handled  # the state calls did reach the supervisor, and one create
+
+
+def test_an_exec_from_another_thread_does_not_inherit_the_leaders_cached_umask(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A thread with its own umask (unshare(CLONE_FS)) that execs takes over the leader's thread
+    # id: the new program's creates must use that thread's umask, not what was cached for the id.
+    code = textwrap.dedent(
+        """
+        import ctypes, os, threading
+        libc = ctypes.CDLL(None, use_errno=True)
+        os.umask(0o022)
+        open("before", "w").close()
+        ready, go = threading.Event(), threading.Event()
+        def thread():
+            assert libc.unshare(0x200) == 0  # CLONE_FS: a umask of its own
+            os.umask(0o077)
+            ready.set()
+            go.wait()
+            os.execv("/bin/sh", ["sh", "-c", "echo > after"])
+        threading.Thread(target=thread).start()
+        ready.wait()
+        open("mid", "w").close()  # the leader's own umask, read again after the change
+        go.set()
+        threading.Event().wait()  # the exec replaces the whole process
+        """
+    )
+    for _ in range(5):  # one worker, so the id's cached entry is the one consulted
+        for p in tmp_path.iterdir():
+            p.unlink()
+        result = py(code, str(tmp_path), workers=1)
+        assert result.returncode == 0, result
+        mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
+        assert mode == {"before": 0o644, "mid": 0o644, "after": 0o600}

@@ -31,9 +31,9 @@
  * notification from a task whose fsuid, fsgid or groups differ is refused. Each worker has its
  * own fs_struct (unshare(CLONE_FS)) so it can take on the process's umask.
  *
- * umask(2) and the set*id calls are trapped too, only so that the cache of step 1 stays true:
- * they name no path, and are let run (SECCOMP_USER_NOTIF_FLAG_CONTINUE) once noted (see
- * state_change). Every call that can create a name is emulated, never continued.
+ * umask(2), the set*id calls and execve(at) are trapped too, only so that the cache of step 1
+ * stays true: none creates a name, and each is let run (SECCOMP_USER_NOTIF_FLAG_CONTINUE) once
+ * noted (see state_change). Every call that can create a name is emulated, never continued.
  *
  * Threads: every idle worker polls the listener (the kernel wakes pollers on the trapping
  * task's CPU when SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP took); one takes each notification (poll
@@ -561,40 +561,55 @@ static bool ids_fixed(const char *text) {
     return !(prm & ((1ULL << CAP_SETUID) | (1ULL << CAP_SETGID)));
 }
 
-/* umask(2) or a set*id call: recorded as pending, then let run (it names no path, so there is
- * nothing to check and nothing the task could change under us). A set*id call that cannot
- * change anything (ids_fixed) leaves the cache as it is. */
+/* umask(2), a set*id call or an exec: recorded as pending, then let run (none creates a name,
+ * so there is nothing to check and nothing the task could change under us). A set*id call that
+ * cannot change anything (ids_fixed) and an exec by a group leader leave the cache as it is. */
 static void state_change(struct ccs *s, struct seccomp_notif *n) {
-    state_settled(s, (pid_t)n->pid); /* this thread's earlier change has run */
-    char name[48];
-    snprintf(name, sizeof name, "%u/status", n->pid);
-    int fd = openat(s->proc_fd, name, O_RDONLY | O_CLOEXEC);
-    if (fd < 0 && errno == ENOENT)
-        fd = -2; /* the task is gone: its call will never run */
-    if (fd >= 0 && n->data.nr != SYS_umask) {
-        char text[STATUS_BYTES];
-        if (read_status(fd, text, sizeof text) == 0 && ids_fixed(text)) {
-            close(fd);
-            fd = -2; /* nothing to track */
+    pid_t tid = (pid_t)n->pid;
+    state_settled(s, tid); /* this thread's earlier change has run */
+    bool is_umask = n->data.nr == SYS_umask;
+    bool is_exec = n->data.nr == SYS_execve || n->data.nr == SYS_execveat;
+    bool track = true;
+    int fd = -1;
+    if (is_exec) {
+        /* A group leader keeps its id through exec (no_new_privs keeps its ids): only another
+         * thread's exec, which takes over the leader's id, is tracked. pidfd_open without
+         * PIDFD_THREAD succeeds for a leader only. */
+        int pfd = (int)syscall(SYS_pidfd_open, tid, 0);
+        if (pfd >= 0)
+            close(pfd);
+        track = pfd < 0 && errno != ESRCH;
+    }
+    if (track) {
+        char name[48];
+        snprintf(name, sizeof name, "%d/status", (int)tid);
+        fd = openat(s->proc_fd, name, O_RDONLY | O_CLOEXEC);
+        if (fd < 0 && errno == ENOENT) {
+            track = false; /* the task is gone: its call will never run */
+        } else if (fd >= 0 && !is_umask && !is_exec) {
+            char text[STATUS_BYTES];
+            if (read_status(fd, text, sizeof text) == 0 && ids_fixed(text)) {
+                close(fd);
+                fd = -1;
+                track = false;
+            }
         }
     }
-    pthread_mutex_lock(&s->lock);
-    int np = atomic_load(&s->npending);
-    if (fd == -2) {
-        /* cannot change anything */
-    } else if (fd < 0 || np >= MAX_PENDING) {
-        atomic_store(&s->cache_off, true); /* untracked: never trust a cached status again */
-        if (fd >= 0)
-            close(fd);
-    } else {
-        s->pending[np] = (struct pending){.tid = (pid_t)n->pid, .status_fd = fd,
-                                          .is_umask = n->data.nr == SYS_umask,
-                                          .want = (mode_t)(n->data.args[0] & 0777)};
-        atomic_store(&s->npending, np + 1);
-    }
-    if (fd != -2)
+    if (track) {
+        pthread_mutex_lock(&s->lock);
+        int np = atomic_load(&s->npending);
+        if (fd < 0 || np >= MAX_PENDING) {
+            atomic_store(&s->cache_off, true); /* untracked: never trust a cached status again */
+            if (fd >= 0)
+                close(fd);
+        } else {
+            s->pending[np] = (struct pending){.tid = tid, .status_fd = fd, .is_umask = is_umask,
+                                              .want = (mode_t)(n->data.args[0] & 0777)};
+            atomic_store(&s->npending, np + 1);
+        }
         atomic_fetch_add(&s->state_gen, 1);
-    pthread_mutex_unlock(&s->lock);
+        pthread_mutex_unlock(&s->lock);
+    }
     struct seccomp_notif_resp resp;
     memset(&resp, 0, sizeof resp);
     resp.id = n->id;
@@ -1551,7 +1566,9 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
     respond(s, q->n->id, 0, err);
 }
 
-/* The calls that change a task's umask or fs credentials (trapped so the cache can follow). */
+/* The calls that change a task's umask or fs credentials, or (an exec by a thread that does
+ * not lead its group, which takes over the leader's id) what a thread id stands for: trapped so
+ * the cache can follow. */
 static bool is_state_change(int nr) {
     switch (nr) {
     case SYS_umask:
@@ -1563,7 +1580,9 @@ static bool is_state_change(int nr) {
     case SYS_setresgid:
     case SYS_setfsuid:
     case SYS_setfsgid:
-    case SYS_setgroups: return true;
+    case SYS_setgroups:
+    case SYS_execve:
+    case SYS_execveat: return true;
     default: return false;
     }
 }
