@@ -9,9 +9,9 @@ This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`)
   every `bind` (the sockaddr is in memory BPF cannot read); and `umask`, the `set*id` calls and
   `execve(at)`, which the supervisor lets run once it has noted them, so it can keep what it read
   of a task instead of reading `/proc/<tid>/status` for every create. `openat2` gets ENOSYS (its
-  flags are in memory too; libc callers fall back), io_uring EPERM (its operations bypass seccomp), and a
-  `seccomp()` call asking for another listener EPERM: a newer filter's listener would receive
-  the notifications first and could answer them itself.
+  flags are in memory too; libc callers fall back), io_uring EPERM (its operations bypass
+  seccomp), and a `seccomp()` call asking for another listener EPERM: a newer filter's listener
+  would receive the notifications first and could answer them itself.
 - `native/launcher.c` runs inside the sandbox as the last step before the command. It installs
   the filter with raw `seccomp(2)` and NEW_LISTENER | WAIT_KILLABLE_RECV (libseccomp 2.5 cannot
   set the latter; without it a signal can make an emulated create run twice), sends the
