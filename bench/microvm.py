@@ -32,7 +32,7 @@ import time
 from cc_server.backends.probe import probe
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.microvm.pool import VmPool
-from cc_server.microvm.runtime import probe_runtime
+from cc_server.microvm.runtime import MicroVMRuntime, probe_runtime
 from cc_server.policy import HostFacts, SandboxBackend, parse_spec
 from cc_server.runtime.handle import run_collect
 from cc_server.runtime.port import SandboxManager
@@ -111,19 +111,40 @@ async def main(args: argparse.Namespace) -> int:
                 "guestWorkdir": "/work",
             })
 
+        # The same restores with QEMU not under bubblewrap, interleaved: what confinement costs.
+        bare_pool = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config,
+                           cache_dir=pool.cache_dir, bwrap=None)
+        await bare_pool.template()
+        bare_runtime = MicroVMRuntime(probe=runtime.probe, pool=bare_pool,
+                                      run_base=runtime.run_base)
+        bare = SandboxManager(probe_result=probe(), host=HostFacts.current(),
+                              microvm=bare_runtime)
         warm: list[float] = []
+        warm_bare: list[float] = []
         handles: list[MicroVMHandle] = []
-        for _ in range(args.sessions):
-            started = time.perf_counter()
-            handle = manager.launch(spec(), backend=SandboxBackend.MICROVM)  # type: ignore[arg-type]
-            assert isinstance(handle, MicroVMHandle)
-            await handle.ready()
-            warm.append((time.perf_counter() - started) * 1000)
-            handles.append(handle)
-            if len(handles) > args.vms:
-                await manager.destroy(handles.pop(0).session_id)
+        try:
+            for _ in range(args.sessions):
+                started = time.perf_counter()
+                vm = bare.launch(spec(), backend=SandboxBackend.MICROVM)  # type: ignore[arg-type]
+                assert isinstance(vm, MicroVMHandle)
+                await vm.ready()
+                warm_bare.append((time.perf_counter() - started) * 1000)
+                await bare.destroy(vm.session_id)
+                started = time.perf_counter()
+                handle = manager.launch(spec(), backend=SandboxBackend.MICROVM)  # type: ignore[arg-type]
+                assert isinstance(handle, MicroVMHandle)
+                await handle.ready()
+                warm.append((time.perf_counter() - started) * 1000)
+                handles.append(handle)
+                if len(handles) > args.vms:
+                    await manager.destroy(handles.pop(0).session_id)
+        finally:
+            await bare.aclose()
+        confined = "under bubblewrap" if pool.bwrap else "unconfined"
         print(f"new session warm (request) : {fmt(warm)}  target <= {TARGET_WARM_MS:.0f} ms"
-              f"  ({statistics.median(warm) / cold_ms:.3f} x cold boot)")
+              f"  ({statistics.median(warm) / cold_ms:.3f} x cold boot; QEMU {confined})")
+        print(f"  QEMU not under bubblewrap: {fmt(warm_bare)}"
+              f"  (confined / bare = {statistics.median(warm) / statistics.median(warm_bare):.2f})")
         failed |= statistics.median(warm) > TARGET_WARM_MS
 
         handle = handles[-1]
