@@ -15,6 +15,7 @@ under a temporary name and renamed into place, so a half-built image is never us
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +46,7 @@ __all__ = [
     "image_inputs",
     "init_script",
     "prune_cache",
+    "touch",
     "write_newc",
 ]
 
@@ -66,6 +69,8 @@ GUEST_MODULES: Final = (
 )
 GUEST_HOSTNAME: Final = "cc-microvm"
 XZ_MAGIC: Final = b"\xfd7zXZ\x00"
+# An image or snapshot of other inputs that nobody touched for this long is removed.
+PRUNE_AFTER_S: Final = 7 * 24 * 3600
 
 Progress = Callable[[str, float], None]  # (step, fraction done 0..1)
 
@@ -249,6 +254,7 @@ def ensure_image(
     inputs = inputs or image_inputs()
     target = cache_dir / f"image-{inputs.key}"
     if (target / "ready").exists():
+        touch(target)
         return GuestImage.at(target)
     cache_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     work = Path(tempfile.mkdtemp(prefix=f".build-{inputs.key}-", dir=cache_dir))
@@ -264,16 +270,29 @@ def ensure_image(
     return GuestImage.at(target)
 
 
-def prune_cache(cache_dir: Path, image: GuestImage) -> list[str]:
-    """Remove what older inputs left in `cache_dir`: other images, their snapshots and their
-    KVM verdicts. A VM still running from a removed snapshot keeps its mapping (the file goes
-    when the last one ends). Returns the names removed."""
+def touch(path: Path) -> None:
+    """Mark a cache entry as used now (prune_cache keeps what was used recently)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def prune_cache(cache_dir: Path, image: GuestImage, *, now: float | None = None) -> list[str]:
+    """Remove what other inputs left in `cache_dir` and nobody used for PRUNE_AFTER_S: other
+    images, their snapshots and their KVM verdicts. Another checkout or server version may share
+    the cache and use its own image right now, so recent entries stay. Returns the names removed.
+    """
     key = image.directory.name.removeprefix("image-")
+    now = time.time() if now is None else now
     removed: list[str] = []
     for entry in cache_dir.iterdir():
         name = entry.name
         ours = name.startswith(("image-", "template-", "kvm-broken-")) or ".build-" in name
         if not ours or key in name:
+            continue
+        try:
+            if now - entry.lstat().st_mtime < PRUNE_AFTER_S:
+                continue
+        except FileNotFoundError:
             continue
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry, ignore_errors=True)

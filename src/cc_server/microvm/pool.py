@@ -21,13 +21,14 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 from cc_server.errors import EnforcementFailed
-from cc_server.microvm.image import GuestImage
+from cc_server.microvm.image import PRUNE_AFTER_S, GuestImage, touch
 from cc_server.microvm.link import AgentLink, Request, hello_request
 from cc_server.microvm.proto import Frame
 from cc_server.microvm.vm import (
@@ -145,6 +146,7 @@ class VmPool:
                 if not ready.exists():
                     await self._build_template()
                     self._prune_older_formats()
+                touch(self.template_dir)
                 self._template = Template(
                     directory=self.template_dir,
                     ram=self.template_dir / "ram.img",
@@ -153,11 +155,14 @@ class VmPool:
             return self._template
 
     def _prune_older_formats(self) -> None:
-        """Remove this image's snapshots of an older machine format (same accelerator)."""
+        """Remove this image's snapshots of another machine format (same accelerator) that
+        nobody used for PRUNE_AFTER_S (another checkout sharing the cache may use one now)."""
         suffix = self.template_dir.name.split("-", 2)[2]
         for entry in self.cache_dir.glob(f"template-*-{suffix}"):
-            if entry != self.template_dir and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                stale = time.time() - entry.stat().st_mtime >= PRUNE_AFTER_S
+                if entry != self.template_dir and entry.is_dir() and stale:
+                    shutil.rmtree(entry, ignore_errors=True)
 
     def _intact(self) -> bool:
         """Whether the template's RAM file still has the hash it was saved with."""

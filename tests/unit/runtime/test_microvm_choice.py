@@ -8,12 +8,19 @@ import dataclasses
 import logging
 import os
 import pathlib
+import time
 
 import pytest
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.errors import BackendUnavailable, BadSpec
-from cc_server.microvm.image import GuestImage, ImageInputs, ensure_image, prune_cache
+from cc_server.microvm.image import (
+    PRUNE_AFTER_S,
+    GuestImage,
+    ImageInputs,
+    ensure_image,
+    prune_cache,
+)
 from cc_server.microvm.mounts import plan_mounts
 from cc_server.microvm.probe import QEMU_PACKAGE_HINT, BootOutcome, MicroVMFacts, decide
 from cc_server.microvm.proto import (
@@ -195,7 +202,11 @@ def test_prune_cache_keeps_only_the_current_image(tmp_path: os.PathLike[str]) ->
     for name in names:
         (cache / name).mkdir()
     (cache / "image-new" / "kernel-release").write_text("6.1\n")
-    removed = prune_cache(cache, GuestImage.at(cache / "image-new"))
+    image = GuestImage.at(cache / "image-new")
+    # Recently used by someone (another checkout may share the cache): kept.
+    assert prune_cache(cache, image) == []
+    later = time.time() + PRUNE_AFTER_S + 60
+    removed = prune_cache(cache, image, now=later)
     assert removed == sorted([".build-old-x", "image-old", "kvm-broken-image-old-6.1",
                               "template-2-old-tcg-256m"])
     assert sorted(p.name for p in cache.iterdir()) == sorted(
