@@ -17,7 +17,7 @@ import time
 import aiohttp
 import pytest
 from microvm_kit import alive, events_of, launch, manager, read_until, shared_runtime, unique
-from server_kit import host_pids_with, running_server
+from server_kit import host_pids_with, kill_marked, running_server, wait_until_gone
 
 from cc_server.errors import BackendUnavailable, EnforcementFailed
 from cc_server.microvm.handle import STATE_FILE
@@ -266,26 +266,30 @@ async def test_restored_guests_get_fresh_entropy_and_the_clock(tmp_path: pathlib
 
 def test_boot_cleanup_kills_the_qemu_of_a_killed_server(tmp_path: pathlib.Path) -> None:
     # What a killed server leaves: a VM directory named for its (gone) pid, and a process whose
-    # argv names that directory (QEMU's `-name`); here a stand-in, so no VM is needed.
+    # argv names that directory (QEMU's `-name`), no child of ours; here a stand-in, no VM.
     base = tmp_path / "base"
     base.mkdir()
     stale = base / f"vm-{STALE_PID}-{secrets.token_hex(8)}"
     stale.mkdir()
     live = base / f"vm-{os.getpid()}-{secrets.token_hex(8)}"
     live.mkdir()
-    stand_in = subprocess.Popen(["/bin/sleep", "1000"])  # not named: left alone
-    orphan = subprocess.Popen(  # argv carries the stale directory as one word
-        [sys.executable, "-c", "import time; time.sleep(1000)", "-name", str(stale)]
-    )
+    marker = f"sleep {secrets.randbelow(10**6) + 10**6}"
+    sleeper = f"import time; time.sleep(1000)  # {marker}"
+    subprocess.run(["/bin/sh", "-c", '"$0" -c "$1" -name "$2" >/dev/null 2>&1 &',
+                    sys.executable, sleeper, str(stale)], check=True)
+    bystander = subprocess.Popen([sys.executable, "-c", sleeper])  # not named: left alone
     try:
+        deadline = time.monotonic() + 10
+        while len(host_pids_with(marker)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert remove_stale_vm_dirs(str(base)) == [stale.name]
-        assert orphan.wait(timeout=10) == -9
+        assert wait_until_gone(str(stale), 10) == []
         assert not stale.exists() and live.exists()
-        assert stand_in.poll() is None
+        assert bystander.poll() is None
     finally:
-        for proc in (stand_in, orphan):
-            proc.kill()
-            proc.wait()
+        bystander.kill()
+        bystander.wait()
+        kill_marked(str(stale))
 
 
 async def test_suspend_refused_while_a_bind_is_in_use(tmp_path: pathlib.Path) -> None:
