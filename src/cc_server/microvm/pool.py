@@ -44,7 +44,7 @@ __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 
 log = logging.getLogger("cc_server.microvm")
 BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
-TEMPLATE_FORMAT: Final = 3  # bump when the machine's device set changes
+TEMPLATE_FORMAT: Final = 4  # bump when the machine's device set changes
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

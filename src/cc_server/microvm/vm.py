@@ -47,6 +47,7 @@ MOUNT_SLOTS: Final = 6
 GUEST_RAM_MIB: Final = 256
 KERNEL_CMDLINE: Final = (
     "console=ttyS0 rdinit=/init panic=-1 reboot=t quiet loglevel=1 tsc_early_khz=2000000"
+    " init_on_free=1"
 )
 QMP_CONNECT_TIMEOUT_S: Final = 10.0  # QEMU creates its QMP socket within ~50 ms normally
 QMP_COMMAND_TIMEOUT_S: Final = 30.0
