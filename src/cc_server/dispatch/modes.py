@@ -70,6 +70,7 @@ class CommandRule:
     programs: frozenset[str]
     subcommands: tuple[tuple[str, ...], ...]
     flags: tuple[str, ...]
+    global_flags: tuple[str, ...]
     except_flags: frozenset[str]
     only: tuple[tuple[str, ...], ...]
     reason: str
@@ -83,14 +84,25 @@ class CommandPolicy:
     wrappers: Mapping[str, int]
     shells: frozenset[str]
     value_options: Mapping[str, frozenset[str]]
+    exec_options: Mapping[str, frozenset[str]]
     redirect_modes: frozenset[Mode]
     redirect_reason: str
 
 
 _RULE_KEYS = frozenset(
-    {"modes", "program", "programs", "subcommands", "flags", "except_flags", "only", "reason"}
+    {
+        "modes",
+        "program",
+        "programs",
+        "subcommands",
+        "flags",
+        "global_flags",
+        "except_flags",
+        "only",
+        "reason",
+    }
 )
-_TOP_KEYS = frozenset({"redirects", "wrappers", "shells", "value_options", "rule"})
+_TOP_KEYS = frozenset({"redirects", "wrappers", "shells", "value_options", "exec_options", "rule"})
 
 
 def _fail(where: str, problem: str) -> InvalidCommandPolicy:
@@ -136,7 +148,8 @@ def _parse_rule(index: int, raw: Any) -> CommandRule:
     )
     only = tuple(tuple(s.split()) for s in _strings(raw.get("only", []), f"{where}.only"))
     flags = tuple(_strings(raw.get("flags", []), f"{where}.flags"))
-    if only and (subcommands or flags):
+    global_flags = tuple(_strings(raw.get("global_flags", []), f"{where}.global_flags"))
+    if only and (subcommands or flags or global_flags):
         raise _fail(where, "'only' cannot be combined with 'subcommands' or 'flags'")
     if "modes" not in raw:
         raise _fail(where, "needs 'modes'")
@@ -146,6 +159,7 @@ def _parse_rule(index: int, raw: Any) -> CommandRule:
         programs=frozenset(programs),
         subcommands=subcommands,
         flags=flags,
+        global_flags=global_flags,
         except_flags=frozenset(_strings(raw.get("except_flags", []), f"{where}.except_flags")),
         only=only,
         reason=reason.strip(),
@@ -180,6 +194,9 @@ def load_command_policy(text: str) -> CommandPolicy:
     value_options = doc.get("value_options", {})
     if not isinstance(value_options, dict):
         raise _fail("value_options", "must be a table")
+    exec_options = doc.get("exec_options", {})
+    if not isinstance(exec_options, dict):
+        raise _fail("exec_options", "must be a table")
     raw_rules = doc.get("rule", [])
     if not isinstance(raw_rules, list):
         raise _fail("rule", "must be an array of tables")
@@ -189,6 +206,9 @@ def load_command_policy(text: str) -> CommandPolicy:
         shells=frozenset(_strings(shells.get("names", []), "shells.names")),
         value_options={
             k: frozenset(_strings(v, f"value_options.{k}")) for k, v in value_options.items()
+        },
+        exec_options={
+            k: frozenset(_strings(v, f"exec_options.{k}")) for k, v in exec_options.items()
         },
         redirect_modes=_modes(redirects.get("deny_in", []), "redirects.deny_in"),
         redirect_reason=str(redirects.get("reason", "writes a file through a redirection")),
@@ -296,7 +316,25 @@ def _flag_hit(args: Sequence[str], flags: Sequence[str]) -> str | None:
     return None
 
 
-def _rule_applies(rule: CommandRule, args: Sequence[str], words: Sequence[str]) -> bool:
+def _global_args(args: Sequence[str], value_options: frozenset[str]) -> list[str]:
+    """The options before the first subcommand word (`git -c k=v -C dir`), with their values."""
+    out: list[str] = []
+    takes_value = False
+    for arg in args:
+        if takes_value:
+            out.append(arg)
+            takes_value = False
+            continue
+        if not arg.startswith("-"):
+            break
+        out.append(arg)
+        takes_value = arg in value_options
+    return out
+
+
+def _rule_applies(
+    rule: CommandRule, args: Sequence[str], words: Sequence[str], global_args: Sequence[str]
+) -> bool:
     if rule.except_flags and any(a in rule.except_flags for a in args):
         return False
     if rule.only:
@@ -313,6 +351,8 @@ def _rule_applies(rule: CommandRule, args: Sequence[str], words: Sequence[str]) 
                 matched = True
         if not matched:
             return False
+    if rule.global_flags and _flag_hit(global_args, rule.global_flags) is None:
+        return False
     if rule.flags:
         return _flag_hit(args, rule.flags) is not None
     return True
@@ -350,6 +390,9 @@ def _check_simple(
         starts = [k for k in range(1, len(clean)) if not clean[k].startswith("-")]
         for k in starts[:MAX_WRAPPER_STARTS]:
             _check_simple(policy, mode, clean[k:], action, depth + 1)
+        for word in clean[1:]:
+            if any(c.isspace() for c in word):  # `env -S 'git push'` splits its argument
+                _check_line(policy, mode, word.lstrip("-S").strip(), action, depth + 1)
         if len(starts) > MAX_WRAPPER_STARTS:
             raise _refuse(action, "a wrapped command with too many leading words to check")
         return
@@ -362,9 +405,21 @@ def _check_simple(
                     _check_line(policy, mode, args[j + 1], action, depth + 1)
                 return
         return
-    words_ = _leading_words(args, policy.value_options.get(program, frozenset()))
+    exec_options = policy.exec_options.get(program, frozenset())
+    for j, arg in enumerate(args):
+        if arg in exec_options:  # `find -exec rm {} ;`: the words up to ';' or '+' are a command
+            end = next((k for k in range(j + 1, len(args)) if args[k] in (";", "+")), len(args))
+            if j + 1 < end:
+                _check_simple(policy, mode, list(args[j + 1 : end]), action, depth + 1)
+    value_options = policy.value_options.get(program, frozenset())
+    words_ = _leading_words(args, value_options)
+    global_args = _global_args(args, value_options)
     for rule in policy.rules:
-        if mode in rule.modes and program in rule.programs and _rule_applies(rule, args, words_):
+        if (
+            mode in rule.modes
+            and program in rule.programs
+            and _rule_applies(rule, args, words_, global_args)
+        ):
             shown = " ".join([program, *words_[:1]])
             raise _refuse(action, f"{shown!r} {rule.reason}")
 

@@ -101,6 +101,12 @@ REFUSED_IN_READ_ONLY = [
     "/usr/bin/git push",
     "./node_modules/.bin/npm publish",
     "git status\ngit push",
+    "env -S 'git push'",
+    "git -c alias.p='!git push' p",
+    "git --config-env=core.hooksPath=X status",
+    "find . -name x -exec rm {} \\;",
+    "find . -execdir sh -c 'git push' \\;",
+    "find . -name '*.tmp' -delete",
 ]
 
 ALLOWED_IN_READ_ONLY = [
@@ -129,6 +135,9 @@ ALLOWED_IN_READ_ONLY = [
     "pytest -q",
     "curl https://example.com",
     "env",
+    "git log -c",
+    "git -C /repo log",
+    "find . -name '*.py' -exec grep -l TODO {} +",
 ]
 
 
@@ -218,6 +227,12 @@ def test_the_packaged_table_loads_and_every_rule_has_a_reason() -> None:
             "cannot be combined",
         ),
         ("[wrappers]\nenv = -1\n", "wrapper"),
+        ("[exec_options]\nfind = [1]\n", "exec_options"),
+        (
+            '[[rule]]\nmodes = ["review"]\nprogram = "g"\nreason = "r"\nonly = ["a"]\n'
+            'global_flags = ["-x"]\n',
+            "cannot be combined",
+        ),
     ],
 )
 def test_a_malformed_table_fails_loudly(text: str, problem: str) -> None:
