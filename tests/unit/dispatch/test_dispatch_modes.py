@@ -5,6 +5,8 @@ from __future__ import annotations
 import shlex
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.modes import (
@@ -250,3 +252,16 @@ def test_a_custom_table_is_used_when_given() -> None:
         check_command(Mode.CHAT, ["make", "deploy"], policy=table)
     check_command(Mode.CHAT, ["make", "test"], policy=table)
     check_command(Mode.REVIEW, ["git", "push"], policy=table)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.sampled_from(list(Mode)),
+    st.text(alphabet=st.sampled_from(list("gitpush ;&|$()`{}'\"\\<>\n-cS=ab")), max_size=80),
+)
+def test_any_command_line_is_either_allowed_or_refused_cleanly(mode: Mode, line: str) -> None:
+    """The parser is fuzzed: whatever the line, the answer is allow or ActionRefused."""
+    try:
+        check_command(mode, ["bash", "-c", line])
+    except ActionRefused as exc:
+        assert exc.guardrail == "command-policy"
