@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fnmatch
+import functools
 import os
 import posixpath
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final, TypeVar, cast
 
 import regex
 
@@ -111,6 +112,23 @@ class _PatchOp:
     path: str
     move_to: str | None = None
     lines: tuple[str, ...] = ()  # add: the content lines; update: the hunk lines
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _os_errors_are_tool_errors(method: _F) -> _F:
+    """A tool never raises a bare OSError: one the checks did not turn into a refusal or an
+    error (a permission problem met mid-walk, a full disk) becomes a FileToolError."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except OSError as exc:
+            raise FileToolError(f"{method.__name__} failed: {exc.strerror or exc}") from None
+
+    return cast(_F, wrapper)
 
 
 class FileTools:
@@ -419,6 +437,7 @@ class FileTools:
 
     # --- the tools -----------------------------------------------------------------------------
 
+    @_os_errors_are_tool_errors
     def read(
         self,
         path: str,
@@ -444,6 +463,7 @@ class FileTools:
         end = None if limit is None else offset + limit
         return "".join(lines[offset:end])
 
+    @_os_errors_are_tool_errors
     def write(self, path: str, content: str, *, kind: ActionKind = ActionKind.FILE_WRITE) -> None:
         """Write `content` to the file, creating it (and missing directories) if allowed.
 
@@ -460,6 +480,7 @@ class FileTools:
         with self._target(action, mapped, create=True) as target:
             self._write_target(action, target, data)
 
+    @_os_errors_are_tool_errors
     def edit(
         self,
         path: str,
@@ -502,6 +523,7 @@ class FileTools:
             finally:
                 os.close(fd)
 
+    @_os_errors_are_tool_errors
     def apply_patch(self, patch: str, *, kind: ActionKind = ActionKind.APPLY_PATCH) -> list[str]:
         """Apply a patch in the apply_patch format (`*** Begin Patch` ... `*** End Patch`, with
         Add File, Delete File and Update File sections, the last optionally with `*** Move to`).
@@ -559,6 +581,7 @@ class FileTools:
             changed.append(mapped.guest)
         return list(dict.fromkeys(changed))
 
+    @_os_errors_are_tool_errors
     def search(
         self, pattern: str, path: str | None = None, *, kind: ActionKind = ActionKind.SEARCH
     ) -> list[SearchMatch]:
@@ -570,6 +593,7 @@ class FileTools:
         """
         return self._matches(kind, pattern, path, first_only=False)
 
+    @_os_errors_are_tool_errors
     def search_files(
         self, query: str, path: str | None = None, *, kind: ActionKind = ActionKind.SEARCH_FILES
     ) -> list[str]:
@@ -621,6 +645,7 @@ class FileTools:
                         break
         return matches
 
+    @_os_errors_are_tool_errors
     def find(
         self, glob: str, path: str | None = None, *, kind: ActionKind = ActionKind.FIND
     ) -> list[str]:
