@@ -22,6 +22,7 @@ import msgspec
 from aiohttp import WSMsgType, web
 
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
+from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
 from cc_server.policy.spec import check_absolute
 from cc_server.runtime.events import EventType, SandboxEvent
@@ -208,6 +209,40 @@ async def kill_commands(request: web.Request) -> web.StreamResponse:
     for execution in executions:
         await execution.kill(reason="manual")
     return web.json_response({"killed": len(executions)})
+
+
+def _vm(request: web.Request) -> MicroVMHandle:
+    handle = _handle(_state(request), request.match_info["id"])
+    if not isinstance(handle, MicroVMHandle):
+        raise _Refused(409, "BackendUnavailable",
+                       f"sandbox {handle.session_id!r} runs on {handle.backend}, which cannot "
+                       "suspend", "only microvm sandboxes are checkpointed to disk")
+    return handle
+
+
+@routes.post("/v1/sandboxes/{id}/suspend")
+async def suspend_sandbox(request: web.Request) -> web.StreamResponse:
+    """Checkpoint a microVM sandbox to disk and end its VM (its RAM is released); its running
+    commands stay, frozen, until resume (or the next exec)."""
+    handle = _vm(request)
+    try:
+        await handle.suspend()
+    except CcServerError as exc:
+        _refuse_error(exc)
+    log_event("sandbox.suspended", f"sandbox {handle.session_id} suspended",
+              sessionId=handle.session_id)
+    return web.json_response(handle.to_json())
+
+
+@routes.post("/v1/sandboxes/{id}/resume")
+async def resume_sandbox(request: web.Request) -> web.StreamResponse:
+    """Restore a suspended microVM sandbox (a warm one is left alone)."""
+    handle = _vm(request)
+    try:
+        await handle.resume()
+    except CcServerError as exc:
+        _refuse_error(exc)
+    return web.json_response(handle.to_json())
 
 
 # --- exec ----------------------------------------------------------------------------------------
