@@ -140,6 +140,23 @@ def _paths() -> dict[str, Any]:
                 "responses": {"200": _json(KillResult, "killed"), **_errors(401, 404)},
             },
         },
+        "/v1/sandboxes/{id}/suspend": {
+            "parameters": [_ID_PARAM],
+            "post": {
+                "summary": "Checkpoint a microvm sandbox to disk and end its VM (state "
+                           "`suspended`); its running commands stay, frozen",
+                "responses": {"200": _json(SandboxHandleView, "the sandbox, suspended"),
+                              **_errors(401, 404, 409, 500)},
+            },
+        },
+        "/v1/sandboxes/{id}/resume": {
+            "parameters": [_ID_PARAM],
+            "post": {
+                "summary": "Restore a suspended microvm sandbox (a warm one is left alone)",
+                "responses": {"200": _json(SandboxHandleView, "the sandbox, warm"),
+                              **_errors(401, 404, 409, 500)},
+            },
+        },
         "/v1/terminals": {
             "get": {
                 "summary": "A terminal session: a shell on a PTY over a WebSocket",
