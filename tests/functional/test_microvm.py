@@ -342,3 +342,30 @@ async def test_a_changed_snapshot_is_not_restored(
     with open(rebuilt.ram, "rb") as ram:
         ram.seek(1 << 20)
         assert ram.read(64) != b"\x90" * 64
+
+
+async def test_server_suspends_and_resumes(tmp_path: pathlib.Path) -> None:
+    shared_runtime()
+    env = {"CC_SERVER_MICROVM": "on", "CC_SERVER_MICROVM_CACHE": str(default_cache_dir())}
+    with running_server(tmp_path, env=env) as server:
+        async with server.client(timeout=aiohttp.ClientTimeout(total=60)) as client:
+            vm_id, native_id = unique("api-vm"), unique("api-native")
+            for session_id, backend in ((vm_id, "microvm"), (native_id, "native")):
+                async with client.post("/v1/sandboxes", json={"backend": backend, "spec": {
+                        "sessionId": session_id, "workspaceId": "w"}}) as response:
+                    assert response.status == 201, await response.json()
+            async with client.post(f"/v1/sandboxes/{vm_id}/exec",
+                                   json={"argv": ["true"]}) as response:
+                assert (await response.json())["exitCode"] == 0
+            async with client.post(f"/v1/sandboxes/{vm_id}/suspend") as response:
+                body = await response.json()
+                assert response.status == 200 and body["state"] == "suspended", body
+            async with client.post(f"/v1/sandboxes/{vm_id}/resume") as response:
+                body = await response.json()
+                assert response.status == 200 and body["state"] == "warm", body
+            async with client.post(f"/v1/sandboxes/{native_id}/suspend") as response:
+                body = await response.json()
+                assert response.status == 409 and body["error"] == "BackendUnavailable"
+            async with client.get("/openapi.json") as response:
+                paths = (await response.json())["paths"]
+            assert "/v1/sandboxes/{id}/suspend" in paths and "/v1/sandboxes/{id}/resume" in paths
