@@ -500,3 +500,34 @@ def test_a_bound_single_file_is_readable_and_a_link_in_its_place_is_not(tree: Tr
     with pytest.raises(ActionRefused) as info:
         ft.read(str(notes))
     assert tree.marker not in str(info.value)
+
+
+def test_a_link_into_a_nested_read_only_bind_is_not_written(tree: Tree) -> None:
+    """The worktree is writable but its docs/ is bound again read-only; a link leads there."""
+    docs = tree.wt / "docs"
+    docs.mkdir()
+    (docs / "a.md").write_text("read-only doc\n")
+    os.symlink("docs", tree.wt / "docs-link")
+    policy = compile_policy(
+        SandboxSpec(
+            session_id="s1",
+            workspace_id="w1",
+            bind_mounts=(
+                SandboxBindMount(host_path=str(tree.wt)),
+                SandboxBindMount(host_path=str(docs), read_only=True),
+            ),
+            guest_workdir=str(tree.wt),
+        ),
+        tree.host(),
+    )
+    ft = FileTools(policy, standard_chain(policy), resolver=tree.resolver)
+    before = tree.snapshot()
+    for call in (
+        lambda: ft.write("docs/a.md", "x"),
+        lambda: ft.write("docs-link/a.md", "x"),
+        lambda: ft.write("docs-link/new.md", "x"),
+        lambda: ft.edit("docs-link/a.md", "read-only", "changed"),
+    ):
+        with pytest.raises((ActionRefused, FileToolError)):
+            call()
+    assert tree.snapshot() == before

@@ -191,6 +191,13 @@ class FileTools:
             return
         if not mount.writable:
             raise self._refuse(action, f"{guest!r} is on a read-only bind ({mount.reason})")
+        # A link inside a writable bind may lead into a directory another bind makes read-only
+        # (a nested read-only bind of the same tree): the innermost bind holding it decides.
+        inner = _innermost_mount(self.policy.mounts, host)
+        if inner is not None and not inner.writable:
+            raise self._refuse(
+                action, f"{guest!r} lands on a read-only bind ({inner.guest_path!r})"
+            )
         denied = rule_covering(self.policy.deny_write, host)
         if denied is not None:
             raise self._refuse(action, f"{guest!r} is never writable ({denied.reason})")
@@ -748,6 +755,18 @@ def _walk_read(dirfd: int, name: str, with_content: bool) -> bytes | None:
     if len(data) > MAX_SEARCH_FILE_BYTES or b"\x00" in data[:BINARY_SNIFF_BYTES]:
         return None
     return data
+
+
+def _innermost_mount(mounts: tuple[Mount, ...], host: str) -> Mount | None:
+    """The bind whose host path is the longest one holding `host`."""
+    best: Mount | None = None
+    for mount in mounts:
+        root = mount.host_path
+        if (host == root or host.startswith(root.rstrip("/") + "/")) and (
+            best is None or len(root) > len(best.host_path)
+        ):
+            best = mount
+    return best
 
 
 def _replace_content(fd: int, data: bytes) -> None:
