@@ -60,6 +60,20 @@ class Tree:
             exists=os.path.lexists,
         )
 
+    def tools_with_read_only(self, extra: pathlib.Path) -> FileTools:
+        """Tools for the worktree (writable) plus `extra` bound read-only."""
+        spec = SandboxSpec(
+            session_id="s1",
+            workspace_id="w1",
+            bind_mounts=(
+                SandboxBindMount(host_path=str(self.wt)),
+                SandboxBindMount(host_path=str(extra), read_only=True),
+            ),
+            guest_workdir=str(self.wt),
+        )
+        policy = compile_policy(spec, self.host())
+        return FileTools(policy, standard_chain(policy), resolver=self.resolver)
+
     def tools(self, mode: Mode = Mode.CHAT, **kw: object) -> FileTools:
         spec = SandboxSpec(
             session_id="s1",
@@ -478,19 +492,7 @@ def test_a_backtracking_pattern_cannot_hold_the_server(tree: Tree) -> None:
 def test_a_bound_single_file_is_readable_and_a_link_in_its_place_is_not(tree: Tree) -> None:
     notes = tree.root / "notes.txt"
     notes.write_text("bound file\n")
-    policy = compile_policy(
-        SandboxSpec(
-            session_id="s1",
-            workspace_id="w1",
-            bind_mounts=(
-                SandboxBindMount(host_path=str(tree.wt)),
-                SandboxBindMount(host_path=str(notes), read_only=True),
-            ),
-            guest_workdir=str(tree.wt),
-        ),
-        tree.host(),
-    )
-    ft = FileTools(policy, standard_chain(policy), resolver=tree.resolver)
+    ft = tree.tools_with_read_only(notes)
     assert ft.read(str(notes)) == "bound file\n"
     with pytest.raises(ActionRefused, match="read-only bind"):
         ft.write(str(notes), "x")
@@ -508,19 +510,7 @@ def test_a_link_into_a_nested_read_only_bind_is_not_written(tree: Tree) -> None:
     docs.mkdir()
     (docs / "a.md").write_text("read-only doc\n")
     os.symlink("docs", tree.wt / "docs-link")
-    policy = compile_policy(
-        SandboxSpec(
-            session_id="s1",
-            workspace_id="w1",
-            bind_mounts=(
-                SandboxBindMount(host_path=str(tree.wt)),
-                SandboxBindMount(host_path=str(docs), read_only=True),
-            ),
-            guest_workdir=str(tree.wt),
-        ),
-        tree.host(),
-    )
-    ft = FileTools(policy, standard_chain(policy), resolver=tree.resolver)
+    ft = tree.tools_with_read_only(docs)
     before = tree.snapshot()
     for call in (
         lambda: ft.write("docs/a.md", "x"),
