@@ -202,8 +202,8 @@ class CcAcpClient:
     ) -> ReadTextFileResponse:
         offset = max(0, (line or 1) - 1)
         try:
-            content = self.run.tools.read(
-                path, offset=offset, limit=limit, kind=ActionKind.ACP_READ
+            content = await asyncio.to_thread(  # the tools block: off the event loop
+                self.run.tools.read, path, offset=offset, limit=limit, kind=ActionKind.ACP_READ
             )
         except CcServerError as exc:
             self.file_requests.append(
@@ -217,7 +217,9 @@ class CcAcpClient:
         self, session_id: str, path: str, content: str, **_: Any
     ) -> WriteTextFileResponse | None:
         try:
-            self.run.tools.write(path, content, kind=ActionKind.ACP_WRITE)
+            await asyncio.to_thread(
+                self.run.tools.write, path, content, kind=ActionKind.ACP_WRITE
+            )
         except CcServerError as exc:
             self.file_requests.append(
                 {"method": "fs/write_text_file", "path": path, "refused": exc.message}

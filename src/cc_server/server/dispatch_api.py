@@ -28,6 +28,7 @@ of each agent program), `CC_SERVER_DISPATCH_DIR` (worktrees and run state; by de
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -43,6 +44,7 @@ from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.credentials import CredentialBroker, remove_stale_grant_dirs
 from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
+from cc_server.dispatch.tools import FileTools
 from cc_server.dispatch.worktrees import WorktreeManager
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import AgentCapabilities, Mode
@@ -427,30 +429,31 @@ async def file_tool(request: web.Request) -> web.StreamResponse:
     run = _run(request)
     tool = request.match_info["tool"]
     b: ToolRequest = await _body(request, ToolRequest)
-    tools = run.tools
-    result: Any
+    # The tools block (a search may run up to its deadline): off the event loop.
+    return web.json_response(await asyncio.to_thread(_call_tool, run.tools, tool, b))
+
+
+def _call_tool(tools: FileTools, tool: str, b: ToolRequest) -> Any:
     if tool == "read":
-        result = {"content": tools.read(_need(b.path, "path", tool), offset=b.offset,
-                                        limit=b.limit)}
-    elif tool == "write":
+        return {"content": tools.read(_need(b.path, "path", tool), offset=b.offset,
+                                      limit=b.limit)}
+    if tool == "write":
         tools.write(_need(b.path, "path", tool), _need(b.content, "content", tool))
-        result = {"ok": True}
-    elif tool == "edit":
+        return {"ok": True}
+    if tool == "edit":
         tools.edit(_need(b.path, "path", tool), _need(b.old, "old", tool),
                    _need(b.new, "new", tool), count=b.count)
-        result = {"ok": True}
-    elif tool == "apply_patch":
-        result = {"files": tools.apply_patch(_need(b.patch, "patch", tool))}
-    elif tool == "search":
+        return {"ok": True}
+    if tool == "apply_patch":
+        return {"files": tools.apply_patch(_need(b.patch, "patch", tool))}
+    if tool == "search":
         matches = tools.search(_need(b.pattern, "pattern", tool), b.path)
-        result = {"matches": [msgspec.to_builtins(m) for m in matches]}
-    elif tool == "find":
-        result = {"paths": tools.find(_need(b.glob, "glob", tool), b.path)}
-    elif tool == "search_files":
-        result = {"paths": tools.search_files(_need(b.query, "query", tool), b.path)}
-    else:
-        raise _not_found("tool", tool)
-    return web.json_response(result)
+        return {"matches": [msgspec.to_builtins(m) for m in matches]}
+    if tool == "find":
+        return {"paths": tools.find(_need(b.glob, "glob", tool), b.path)}
+    if tool == "search_files":
+        return {"paths": tools.search_files(_need(b.query, "query", tool), b.path)}
+    raise _not_found("tool", tool)
 
 
 @routes.post("/v1/dispatches/{id}/acp/prompt")
