@@ -335,41 +335,9 @@ out:
     return result;
 }
 
-int main(int argc, char **argv) {
-    if (argc == 2 && strcmp(argv[1], "--selftest") == 0)
-        return selftest();
-    int filter_fd = -1, sock_fd = -1, egress_fd = -1, i = 1;
-    for (; i < argc; i++) {
-        if (strcmp(argv[i], "--") == 0) {
-            i++;
-            break;
-        }
-        if (i + 1 >= argc)
-            die_msg(USAGE);
-        if (strcmp(argv[i], "--filter") == 0)
-            filter_fd = parse_fd(argv[++i]);
-        else if (strcmp(argv[i], "--socket") == 0)
-            sock_fd = parse_fd(argv[++i]);
-        else if (strcmp(argv[i], "--egress") == 0)
-            egress_fd = parse_fd(argv[++i]);
-        else
-            die_msg("unknown option");
-    }
-    if ((filter_fd < 0) != (sock_fd < 0) || (filter_fd < 0 && egress_fd < 0) || i >= argc)
-        die_msg(USAGE);
-    /* Before the filter: the listeners are the launcher's own, made before any command runs,
-     * so the command's first connection finds them listening. */
-    if (egress_fd >= 0)
-        hand_over_egress(egress_fd);
-    if (filter_fd < 0) {
-        if (getpid() == 1)
-            return run_as_init(&argv[i]);
-        execvp(argv[i], &argv[i]);
-        int code = errno == ENOENT ? 127 : 126;
-        fprintf(stderr, "cc-create-launcher: cannot run %s: %s\n", argv[i], strerror(errno));
-        return code;
-    }
-
+/* The create-time rules: the filter installed with a listener, the listener sent to the server's
+ * supervisor and closed. Any failure exits 125: the command never runs without its filter. */
+static void install_create_rules(int filter_fd, int sock_fd) {
     struct sock_fprog prog = read_filter(filter_fd);
     /* A core file is a name the kernel creates without a syscall: none, ever. */
     struct rlimit no_core = {0, 0};
@@ -396,6 +364,36 @@ int main(int argc, char **argv) {
     /* From here on nothing in the sandbox holds the listener. */
     if (close(listener) < 0 || close(sock_fd) < 0 || close(filter_fd) < 0)
         die("close");
+}
+
+int main(int argc, char **argv) {
+    if (argc == 2 && strcmp(argv[1], "--selftest") == 0)
+        return selftest();
+    int filter_fd = -1, sock_fd = -1, egress_fd = -1, i = 1;
+    for (; i < argc; i++) {
+        if (strcmp(argv[i], "--") == 0) {
+            i++;
+            break;
+        }
+        if (i + 1 >= argc)
+            die_msg(USAGE);
+        if (strcmp(argv[i], "--filter") == 0)
+            filter_fd = parse_fd(argv[++i]);
+        else if (strcmp(argv[i], "--socket") == 0)
+            sock_fd = parse_fd(argv[++i]);
+        else if (strcmp(argv[i], "--egress") == 0)
+            egress_fd = parse_fd(argv[++i]);
+        else
+            die_msg("unknown option");
+    }
+    if ((filter_fd < 0) != (sock_fd < 0) || (filter_fd < 0 && egress_fd < 0) || i >= argc)
+        die_msg(USAGE);
+    /* Before the filter: the listeners are the launcher's own, made before any command runs,
+     * so the command's first connection finds them listening. */
+    if (egress_fd >= 0)
+        hand_over_egress(egress_fd);
+    if (filter_fd >= 0)
+        install_create_rules(filter_fd, sock_fd);
     if (getpid() == 1)
         return run_as_init(&argv[i]);
     execvp(argv[i], &argv[i]);
