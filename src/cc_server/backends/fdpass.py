@@ -6,19 +6,21 @@ import asyncio
 import os
 import socket
 
+from cc_server.errors import EnforcementFailed
+
 __all__ = ["receive_fds"]
 
 
 async def receive_fds(
-    sock: socket.socket, *, tag: bytes, count: int, timeout_s: float
+    sock: socket.socket, *, tag: bytes, count: int, timeout_s: float, what: str
 ) -> list[int]:
-    """Wait for one message of `tag` carrying exactly `count` descriptors on `sock`.
-
-    Returns them (close-on-exec). Returns [] if the peer closed its end or sent anything else
-    (whatever arrived is closed).
+    """Wait for the launcher's message of `tag` carrying exactly `count` descriptors (`what`,
+    for the error) on `sock`; return them, close-on-exec.
 
     Raises:
-        TimeoutError: nothing arrived within `timeout_s`.
+        EnforcementFailed: nothing came within `timeout_s`, or the launcher closed its end or
+            sent anything else (whatever arrived is closed); the launcher runs the command only
+            after sending, so it has not run.
     """
     loop = asyncio.get_running_loop()
     sock.setblocking(False)
@@ -39,12 +41,20 @@ async def receive_fds(
                     arrived = loop.create_future()
                     continue
                 break
+    except TimeoutError:
+        raise EnforcementFailed(
+            f"the sandbox's launcher sent no {what} within {timeout_s:g} s; "
+            "the command was not run"
+        ) from None
     finally:
         loop.remove_reader(sock.fileno())
     if data != tag or len(fds) != count:
         for fd in fds:
             os.close(fd)
-        return []
+        raise EnforcementFailed(
+            f"the sandbox's launcher exited without handing over its {what}; the command was "
+            "not run (its stderr says why)"
+        )
     for fd in fds:
         os.set_inheritable(fd, False)
     return fds

@@ -445,20 +445,11 @@ async def receive_listener(sock: socket.socket, timeout_s: float = LISTENER_TIME
     """
     from cc_server.backends.fdpass import receive_fds  # lazy import: asyncio
 
-    try:
-        fds = await receive_fds(sock, tag=b"L", count=1, timeout_s=timeout_s)
-    except TimeoutError:
-        raise EnforcementFailed(
-            f"the create-rule launcher sent no listener within {timeout_s:g} s; "
-            "the command was not run"
-        ) from None
-    if len(fds) != 1 or not _is_listener(fds[0]):
-        for fd in fds:
-            os.close(fd)
-        raise EnforcementFailed(
-            "the create-rule launcher exited without handing over its seccomp listener; "
-            "the command was not run"
-        )
+    what = "seccomp listener"
+    fds = await receive_fds(sock, tag=b"L", count=1, timeout_s=timeout_s, what=what)
+    if not _is_listener(fds[0]):
+        os.close(fds[0])
+        raise EnforcementFailed(f"the launcher sent something other than its {what}")
     return fds[0]
 
 

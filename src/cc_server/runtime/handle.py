@@ -29,7 +29,7 @@ from cc_server.backends.supervisor import (
     stop_supervisor,
     watch_reports,
 )
-from cc_server.errors import BadSpec, EnforcementFailed
+from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
 from cc_server.runtime.events import (
     EventType,
@@ -305,18 +305,9 @@ class Execution:
 
     async def _adopt_egress(self, sock: socket.socket) -> None:
         assert self.handle.egress is not None  # a plan with a handoff had an egress bridge
-        try:
-            fds = await receive_fds(sock, tag=b"E", count=2, timeout_s=HANDOFF_TIMEOUT_S)
-        except TimeoutError:
-            raise EnforcementFailed(
-                f"the sandbox's launcher sent no egress listeners within {HANDOFF_TIMEOUT_S:g} s;"
-                " the command was not run"
-            ) from None
-        if not fds:
-            raise EnforcementFailed(
-                "the sandbox's launcher exited without handing over its egress listeners; the "
-                "command was not run (its stderr says why)"
-            )
+        fds = await receive_fds(
+            sock, tag=b"E", count=2, timeout_s=HANDOFF_TIMEOUT_S, what="egress listeners"
+        )
         http, socks = (socket.socket(fileno=fd) for fd in fds)
         self._adopted = await self.handle.egress.adopt(http, socks)
 

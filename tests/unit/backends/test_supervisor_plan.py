@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from cc_server.backends import bubblewrap as bwrap_mod
 from cc_server.backends import supervisor as sup
 from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
+from cc_server.backends.fdpass import receive_fds
 from cc_server.backends.plan import Command, EgressBridge, FdArg, InheritedFd, LaunchPlan
 from cc_server.backends.runner import run_attached
 from cc_server.backends.supervisor import (
@@ -244,11 +245,26 @@ async def test_a_launcher_that_exits_without_sending_is_an_enforcement_failure()
 async def test_nothing_arriving_in_time_is_an_enforcement_failure() -> None:
     ours, theirs = socket.socketpair()
     try:
-        with pytest.raises(EnforcementFailed, match="no listener within"):
+        with pytest.raises(EnforcementFailed, match="no seccomp listener within"):
             await receive_listener(ours, timeout_s=0.05)
     finally:
         ours.close()
         theirs.close()
+
+
+async def test_the_egress_handoff_needs_both_listeners_with_its_tag() -> None:
+    for tag, count in ((b"E", 1), (b"L", 2)):
+        ours, theirs = socket.socketpair()
+        a, b = socket.socketpair()
+        try:
+            socket.send_fds(theirs, [tag], [a.fileno(), b.fileno()][:count])
+            before = set(os.listdir("/proc/self/fd"))
+            with pytest.raises(EnforcementFailed, match="egress listeners"):
+                await receive_fds(ours, tag=b"E", count=2, timeout_s=5, what="egress listeners")
+            assert set(os.listdir("/proc/self/fd")) <= before  # what arrived was closed
+        finally:
+            for s in (ours, theirs, a, b):
+                s.close()
 
 
 async def test_an_fd_that_is_not_a_listener_is_refused_and_closed() -> None:
