@@ -152,9 +152,9 @@ struct ccs {
     atomic_int nhelpers;
     atomic_int stopping;
     atomic_ullong handled, refused, errors, dropped_reports, busy_ns;
-    /* Calls that change what /proc/<tid>/status says (umask, the credential calls): each bumps
-     * state_gen, which makes every cached task_info stale, and stays in `pending` until it has
-     * surely run (see state_settled). */
+    /* Calls that change what /proc/<tid>/status says or whom a tid names (umask, the
+     * credential calls, another thread's exec): each bumps state_gen, which makes every cached
+     * task_info stale, and stays in `pending` until it has surely run (see state_settled). */
     atomic_ullong state_gen;
     atomic_int npending;
     atomic_bool cache_off; /* a change could not be tracked: status is read for every call */
@@ -219,7 +219,8 @@ static __thread mode_t thread_umask = (mode_t)-1;
  *   - the entry is still the same task: its pidfd pins the task's struct pid, and signal 0
  *     through it fails with ESRCH once that task is gone (its tid may then be someone new);
  *   - nothing the entry holds has changed: the umask and the fs credentials change only
- *     through umask(2) and the set*id calls, which the filter traps; each one bumps
+ *     through umask(2) and the set*id calls, and a thread id changes hands only when another
+ *     thread of the group execs; the filter traps all three, and each such call bumps
  *     s->state_gen (the entry records the generation it was read in) and is "pending" until
  *     it has surely run, during which nothing is cached (state_settled).
  * Without a pidfd for the thread (before Linux 6.9 a thread that does not lead its group has
