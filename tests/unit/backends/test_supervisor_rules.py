@@ -585,3 +585,15 @@ def test_an_exec_from_another_thread_does_not_inherit_the_leaders_cached_umask(
         assert result.returncode == 0, result
         mode = {p.name: stat.S_IMODE(p.stat().st_mode) for p in tmp_path.iterdir()}
         assert mode == {"before": 0o644, "mid": 0o644, "after": 0o600}
+
+
+def test_the_sync_wake_up_flag_takes_where_the_kernel_has_it(tmp_path: pathlib.Path) -> None:
+    # SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (6.6+) keeps the task and the supervisor on one CPU;
+    # the library reports whether the kernel took it instead of assuming so.
+    release = tuple(int(x) for x in os.uname().release.split("-")[0].split(".")[:2])
+    launch = Launch(["/bin/true"], str(tmp_path))
+    assert launch.supervisor is not None
+    assert launch.proc.wait(timeout=30) == 0
+    stats = launch.supervisor.stats()
+    launch.finish()
+    assert stats.sync_wake == (release >= (6, 6)), (release, stats)
