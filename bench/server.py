@@ -263,7 +263,7 @@ async def main_async(args: argparse.Namespace) -> int:
               f"server {statistics.mean(srv_lat) * 1000:.1f} ms")
         print(f"server CPU per command: {(cpu_after[0] - cpu_before[0]) / n * 1000:.1f} ms in "
               f"the server process, {(cpu_after[1] - cpu_before[1]) / n * 1000:.1f} ms in its "
-              "sandboxes (bwrap, socat bridge, command)")
+              "sandboxes (bwrap, launcher, command)")
         back = after == idle
         print(f"server fds/children: idle {idle[0]}/{idle[1]}, after {after[0]}/{after[1]} "
               f"({'back to idle' if back else 'NOT back to idle'})")
