@@ -102,6 +102,9 @@ def parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
     p_probe = sub.add_parser("probe", help="report which sandbox backend this host offers")
     p_probe.add_argument("--json", action="store_true", help="machine-readable output")
+    p_probe.add_argument("--microvm", action="store_true",
+                         help="also boot-test the microvm backend and say which accelerator "
+                         "works, or why none (builds its guest image on first use)")
     p_plan = sub.add_parser("plan", help="print the launch plan `run` would execute")
     _add_run_options(p_plan)
     p_plan.add_argument("--json", action="store_true", help="machine-readable output")
@@ -265,10 +268,22 @@ def _as_platform(platform: str) -> tuple[ProbeResult, HostFacts | None, str | No
     return fake, HostFacts.current(Platform.LINUX), None
 
 
+def _probe_microvm() -> dict[str, object]:
+    import asyncio  # lazy imports: only `probe --microvm` boots a VM
+
+    from cc_server.microvm.runtime import probe_runtime
+
+    return asyncio.run(probe_runtime()).probe.to_json()
+
+
 def _cmd_probe(args: argparse.Namespace) -> int:
     result = probe()
+    microvm = _probe_microvm() if args.microvm else None
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        out = result.to_json()
+        if microvm is not None:
+            out["microvm"] = microvm
+        print(json.dumps(out, indent=2))
     else:
         print(f"platform:  {result.platform}")
         print(f"available: {'yes' if result.available else 'no'}")
@@ -280,6 +295,12 @@ def _cmd_probe(args: argparse.Namespace) -> int:
             print(f"hint:      {result.hint}")
         for name, path in sorted(result.tools.items()):
             print(f"tool:      {name} = {path}")
+        if microvm is not None:
+            accel = microvm["accelerator"]
+            print(f"microvm:   {accel if microvm['available'] else 'unavailable'}: "
+                  f"{microvm['reason']}")
+            if microvm["fix"]:
+                print(f"microvm fix: {microvm['fix']}")
     return 0
 
 

@@ -20,6 +20,7 @@ pytestmark = pytest.mark.integration
 
 CLI_TIMEOUT_S = 60.0  # a hang guard; every invocation here finishes in a second or two
 PROMPT_S = 10.0  # "promptly" for a --timeout 1 run, far below the command's own 30 s
+IMAGE_BUILD_TIMEOUT_S = 900.0  # `probe --microvm` on a fresh machine: download and build
 
 
 @pytest.fixture
@@ -38,7 +39,10 @@ def work(tmp_path: pathlib.Path) -> pathlib.Path:
 
 
 def cli(
-    *args: str | os.PathLike[str], env: dict[str, str], cwd: pathlib.Path | None = None
+    *args: str | os.PathLike[str],
+    env: dict[str, str],
+    cwd: pathlib.Path | None = None,
+    timeout: float = CLI_TIMEOUT_S,
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "cc_server.cli", *map(str, args)],
@@ -47,7 +51,7 @@ def cli(
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
-        timeout=CLI_TIMEOUT_S,
+        timeout=timeout,
         check=False,
     )
 
@@ -286,6 +290,24 @@ def test_probe_json_reports_bubblewrap(env: dict[str, str]) -> None:
     assert result["mechanism"] == "bubblewrap"
     assert set(result["tools"]) == {"bwrap", "socat", "cc-create-launcher", "cc-create-supervisor"}
     assert result["createRules"] is True and result["createRulesHint"] is None
+
+
+def test_probe_microvm_says_which_accelerator_and_why(env: dict[str, str]) -> None:
+    # The user's image cache (the microVM tests share it), not the throw-away HOME's.
+    from cc_server.microvm.image import default_cache_dir
+
+    env = {**env, "CC_SERVER_MICROVM_CACHE": str(default_cache_dir())}
+    # On a fresh machine this first call builds the guest image from Debian's packages.
+    proc = cli("probe", "--json", "--microvm", env=env, timeout=IMAGE_BUILD_TIMEOUT_S)
+    assert proc.returncode == 0, proc.stderr
+    microvm = json.loads(proc.stdout)["microvm"]
+    # This machine's /dev/kvm cannot boot a guest: the boot test says so and TCG is used.
+    assert microvm["available"] is True and microvm["accelerator"] == "tcg", microvm
+    assert microvm["kvmDetail"] and "KVM" in microvm["reason"], microvm
+    text = cli("probe", "--microvm", env=env)
+    assert text.returncode == 0 and "microvm:   tcg: " in text.stdout, text.stderr
+    without = json.loads(cli("probe", "--json", env=env).stdout)
+    assert "microvm" not in without  # only on request: the boot test takes seconds
 
 
 def test_probe_text(env: dict[str, str]) -> None:
