@@ -95,13 +95,18 @@ def _launch(
             if seatbelt
             else None,
         )
+    return _warm_up(handle)
+
+
+def _warm_up(handle: SandboxHandle) -> SandboxHandle:
+    """A dry plan at launch, so a policy the backend cannot enforce fails here, before any exec
+    (the handle goes to `error`); then the handle is `warm`."""
     try:
-        # A dry plan at launch: a policy the backend cannot enforce fails here, before any exec.
         handle.plan(Command(argv=("/bin/true",)))
     except CcServerError as exc:
         handle.fail(exc)
         raise
-    handle.details["workdir"] = policy.workdir
+    handle.details["workdir"] = handle.policy.workdir
     handle.transition(SandboxState.WARM)
     return handle
 
@@ -368,17 +373,11 @@ class SandboxManager:
                 f"the native terminal profile is not built for {self.probe_result.mechanism}",
                 fix="ask for backend 'none', or use macOS or a Linux host with bubblewrap",
             )
-        handle = SandboxHandle(
-            session_id=policy.session_id, backend=chosen, policy=policy, planner=planner
+        return _warm_up(
+            SandboxHandle(
+                session_id=policy.session_id, backend=chosen, policy=policy, planner=planner
+            )
         )
-        try:
-            handle.plan(Command(argv=("/bin/true",)))  # a profile the backend refuses fails here
-        except CcServerError as exc:
-            handle.fail(exc)
-            raise
-        handle.details["workdir"] = policy.workdir
-        handle.transition(SandboxState.WARM)
-        return handle
 
     async def destroy(self, session_id: str) -> None:
         """Destroy one sandbox; unknown or already destroyed ids are fine (idempotent)."""
