@@ -21,9 +21,9 @@ from __future__ import annotations
 import errno
 import functools
 import os
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["DENIED_SYSCALLS", "NAMESPACE_FLAGS", "filter_bpf"]
+__all__ = ["DENIED_SYSCALLS", "NAMESPACE_FLAGS", "export_bpf", "filter_bpf"]
 
 CLONE_NEWNS: Final = 0x00020000
 CLONE_NEWCGROUP: Final = 0x02000000
@@ -98,7 +98,16 @@ def filter_bpf() -> bytes:
     for request in (TIOCSTI, TIOCLINUX):
         flt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
 
-    fd = os.memfd_create("cc-seccomp", os.MFD_CLOEXEC)
+    return export_bpf(flt, "cc-seccomp")
+
+
+def export_bpf(flt: Any, name: str) -> bytes:
+    """A libseccomp filter's BPF program as bytes, exported through a memfd called `name`.
+
+    Raises:
+        OSError: the memfd could not be made or libseccomp refused to export.
+    """
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         with os.fdopen(os.dup(fd), "wb", buffering=0) as handle:
             flt.export_bpf(handle)

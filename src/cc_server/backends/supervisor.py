@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Final
 
+from cc_server.backends.seccomp import export_bpf
 from cc_server.errors import EnforcementFailed
 
 if TYPE_CHECKING:
@@ -149,14 +150,7 @@ def notify_filter_bpf() -> bytes:
         sc.Arg(0, sc.EQ, SECCOMP_SET_MODE_FILTER),
         sc.Arg(1, sc.MASKED_EQ, SECCOMP_FILTER_FLAG_NEW_LISTENER, SECCOMP_FILTER_FLAG_NEW_LISTENER),
     )
-    fd = os.memfd_create("cc-create-filter", os.MFD_CLOEXEC)
-    try:
-        with os.fdopen(os.dup(fd), "wb", buffering=0) as handle:
-            flt.export_bpf(handle)
-        size = os.lseek(fd, 0, os.SEEK_END)
-        return os.pread(fd, size, 0)
-    finally:
-        os.close(fd)
+    return export_bpf(flt, "cc-create-filter")
 
 
 # --- the probe's check ------------------------------------------------------------------------
