@@ -79,11 +79,14 @@ def bridged_argv(socat: str, argv: tuple[str, ...]) -> tuple[str, ...]:
     return ("/bin/sh", "-c", _script(), "cc-egress-bridge", socat, *argv)
 
 
-def bridge_env() -> dict[str, str]:
+def bridge_env(
+    http_port: int = HTTP_PROXY_PORT, socks_port: int = SOCKS_PROXY_PORT
+) -> dict[str, str]:
     """Proxy variables for the sandboxed command: every common spelling, names resolved by the
-    proxy (socks5h), loopback exempt, and git-over-SSH through the SOCKS proxy (netcat-openbsd)."""
-    http = f"http://127.0.0.1:{HTTP_PROXY_PORT}"
-    socks = f"socks5h://127.0.0.1:{SOCKS_PROXY_PORT}"
+    proxy (socks5h), loopback exempt, and git-over-SSH through the SOCKS proxy (netcat-openbsd).
+    The ports default to the bridge's; Seatbelt passes the session proxies' own."""
+    http = f"http://127.0.0.1:{http_port}"
+    socks = f"socks5h://127.0.0.1:{socks_port}"
     no_proxy = "localhost,127.0.0.1,::1"
     return {
         "HTTP_PROXY": http,
@@ -94,7 +97,5 @@ def bridge_env() -> dict[str, str]:
         "all_proxy": socks,
         "NO_PROXY": no_proxy,
         "no_proxy": no_proxy,
-        "GIT_SSH_COMMAND": (
-            f"ssh -o ProxyCommand='nc -X 5 -x 127.0.0.1:{SOCKS_PROXY_PORT} %h %p'"
-        ),
+        "GIT_SSH_COMMAND": f"ssh -o ProxyCommand='nc -X 5 -x 127.0.0.1:{socks_port} %h %p'",
     }
