@@ -37,6 +37,7 @@ from functools import cache
 from importlib import resources
 from typing import Final
 
+from cc_server.backends.egress_bridge import bridge_env
 from cc_server.backends.plan import Command, LaunchPlan
 from cc_server.backends.probe import SANDBOX_EXEC_PATH
 from cc_server.errors import BadSpec, EnforcementFailed
@@ -434,25 +435,6 @@ def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
     return host.home
 
 
-def _proxy_env(http_port: int, socks_port: int) -> dict[str, str]:
-    """Proxy variables for the sandboxed command: every common spelling, names resolved by the
-    proxy (socks5h), loopback exempt, and git-over-SSH through the SOCKS proxy (BSD nc)."""
-    http = f"http://127.0.0.1:{http_port}"
-    socks = f"socks5h://127.0.0.1:{socks_port}"
-    no_proxy = "localhost,127.0.0.1,::1"
-    return {
-        "HTTP_PROXY": http,
-        "HTTPS_PROXY": http,
-        "http_proxy": http,
-        "https_proxy": http,
-        "ALL_PROXY": socks,
-        "all_proxy": socks,
-        "NO_PROXY": no_proxy,
-        "no_proxy": no_proxy,
-        "GIT_SSH_COMMAND": f"ssh -o ProxyCommand='nc -X 5 -x 127.0.0.1:{socks_port} %h %p'",
-    }
-
-
 def _check_policy(policy: CompiledPolicy) -> None:
     for mount in policy.mounts:
         if mount.guest_path != mount.literal_path:
@@ -514,7 +496,7 @@ def plan_seatbelt(
         env.setdefault("TMPDIR", temp_dir)
     egress = command.egress
     if egress is not None and egress.http_port and egress.socks_port:
-        env.update(_proxy_env(egress.http_port, egress.socks_port))
+        env.update(bridge_env(egress.http_port, egress.socks_port))
     return LaunchPlan(
         backend=SandboxBackend.NATIVE,
         argv=tuple(argv),
