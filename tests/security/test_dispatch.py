@@ -25,6 +25,7 @@ from cc_server.dispatch.env import EnvRefused
 from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind
 from cc_server.policy import AgentCapabilities, Mode
+from cc_server.runtime.handle import SandboxHandle
 
 pytestmark = pytest.mark.security
 
@@ -91,6 +92,38 @@ async def test_a_run_without_the_github_capability_gets_no_credential_and_no_git
         curl2 = await earned.harness.run(
             "curl -sS --max-time 20 -o /dev/null https://api.github.com/ 2>&1; echo rc=$?")
         assert not [v for v in curl2.violations if v.target.startswith("api.github.com")]
+
+
+async def test_a_refused_launch_leaves_no_credential_sandbox_or_state_even_if_teardown_fails(
+    tmp_path: pathlib.Path, probe_result: ProbeResult, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    class Broken:
+        name = "broken"
+
+        def check(self, action: Any) -> None:
+            raise RuntimeError("this guardrail is broken")
+
+    destroyed: list[SandboxHandle] = []
+    real_destroy = SandboxHandle.destroy
+
+    async def destroy_then_fail(self: SandboxHandle) -> None:
+        await real_destroy(self)
+        destroyed.append(self)
+        raise OSError("the sandbox's teardown failed")
+
+    monkeypatch.setattr(SandboxHandle, "destroy", destroy_then_fail)
+    async with open_dispatch(tmp_path, probe_result, guardrails=[Broken()],
+                             github_token_file=_token_file(tmp_path)) as d:
+        wt = d.worktrees.create("r", "c1")
+        with pytest.raises(OSError, match="teardown failed") as failed:
+            await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.CLAUDE,
+                                     capabilities=GITHUB)
+        assert isinstance(failed.value.__context__, ActionRefused)  # the launch was refused
+        assert [h.state.value for h in destroyed] == ["destroyed"]
+        assert d.service.runs == {} and d.manager.handles == {}
+        assert d.service.broker.live_runs == ()  # type: ignore[attr-defined]
+        assert list((tmp_path / "runs").iterdir()) == []
+    # open_dispatch checks that no grant directory and no mount is left.
 
 
 SECRET_NAMES = [

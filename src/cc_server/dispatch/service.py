@@ -288,11 +288,9 @@ class DispatchService:
         run_id = f"run-{secrets.token_hex(8)}"
         state_dir = os.path.join(self.config.state_base, run_id)
         os.mkdir(state_dir, 0o700)
-        os.mkdir(os.path.join(state_dir, ".claude"), 0o700)
         caps = capabilities or AgentCapabilities.safe_default()
-        grant: Grant | None = None
-        handle: SandboxHandle | None = None
         try:
+            os.mkdir(os.path.join(state_dir, ".claude"), 0o700)
             make_spec = functools.partial(
                 self.spec_for,
                 run_id,
@@ -307,9 +305,7 @@ class DispatchService:
             self._check_private(spec)
             # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
             # so a server shutdown destroys it with the rest.
-            port = self.manager.choose(None)
-            handle = port.launch(spec, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
-            self.manager.handles[run_id] = handle
+            handle = self.manager.launch(spec, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
             chain = standard_chain(handle.policy, extra=self.config.guardrails)
             if argv is not None:
                 chain.check(
@@ -336,15 +332,19 @@ class DispatchService:
                 server_environ=self.environ,
             )
         except BaseException:
-            if handle is not None:
-                self.manager.handles.pop(run_id, None)
-                await handle.destroy()
-            if grant is not None:
-                self.broker.revoke(run_id)
-            shutil.rmtree(state_dir, ignore_errors=True)
+            await self._release(run_id, state_dir)
             raise
         self.runs[run_id] = run
         return run
+
+    async def _release(self, run_id: str, state_dir: str) -> None:
+        """Destroy a run's sandbox (its proxies), revoke its grant, remove its state directory.
+        Each step runs even when one before it fails; each is a no-op for what was never made."""
+        try:
+            await self.manager.destroy(run_id)
+        finally:
+            self.broker.revoke(run_id)
+            shutil.rmtree(state_dir, ignore_errors=True)
 
     def get(self, run_id: str) -> DispatchRun:
         """A live run, or BadSpec."""
@@ -364,17 +364,19 @@ class DispatchService:
                 await run.acp.aclose()
             await run.harness.aclose()
         finally:
-            try:
-                await self.manager.destroy(run_id)
-            finally:
-                self.broker.revoke(run_id)
-                shutil.rmtree(run.state_dir, ignore_errors=True)
+            await self._release(run_id, run.state_dir)
         return True
 
     async def aclose(self) -> None:
-        """Close every run, then unmount the worktrees (their layers stay). Idempotent."""
-        for run_id in list(self.runs):
-            with contextlib.suppress(Exception):
-                await self.close_run(run_id)
-        self.broker.close()
-        self.worktrees.close()
+        """Close every run, then unmount the worktrees (their layers stay). Idempotent; the
+        grants are revoked and the worktrees unmounted even when a run's teardown fails or the
+        close is cancelled."""
+        try:
+            for run_id in list(self.runs):
+                with contextlib.suppress(Exception):
+                    await self.close_run(run_id)
+        finally:
+            try:
+                self.broker.close()
+            finally:
+                self.worktrees.close()
