@@ -292,6 +292,25 @@ def test_boot_cleanup_kills_the_qemu_of_a_killed_server(tmp_path: pathlib.Path) 
         kill_marked(str(stale))
 
 
+def test_half_built_snapshots_of_killed_servers_are_removed(tmp_path: pathlib.Path) -> None:
+    # A server killed while booting the template leaves `<template>.build-<its pid>` (a RAM file
+    # the size of the guest's); the next build removes it, and keeps a live server's.
+    pool = shared_runtime().pool
+    assert pool is not None
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    fresh = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=cache)
+    dead = cache / f"{fresh.template_dir.name}.build-{STALE_PID}"
+    live = cache / f"{fresh.template_dir.name}.build-{os.getppid()}"
+    other = cache / f"template-0-other-tcg-256m.build-{STALE_PID}"  # prune_cache's business
+    for path in (dead, live, other):
+        path.mkdir()
+        (path / "ram.img").write_bytes(b"\0")
+    fresh._remove_dead_builds()
+    assert not dead.exists()
+    assert live.exists() and other.exists()
+
+
 async def test_suspend_refused_while_a_bind_is_in_use(tmp_path: pathlib.Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -327,9 +346,12 @@ async def test_a_changed_snapshot_is_not_restored(
     pool = shared_runtime().pool
     assert pool is not None
     cache = tmp_path / "cache"
+    run_base = tmp_path / "run"
+    run_base.mkdir(mode=0o700)
     first = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=cache,
-                   bwrap=pool.bwrap)
+                   bwrap=pool.bwrap, run_base=str(run_base))
     template = await first.template()
+    assert list(run_base.iterdir()) == []  # the boot's VM directory went with it
     with open(template.ram, "r+b") as ram:  # what a compromised QEMU could do to the file
         ram.seek(1 << 20)
         ram.write(b"\x90" * 64)

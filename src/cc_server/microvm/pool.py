@@ -20,7 +20,6 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from typing import Final
 
 from cc_server.errors import EnforcementFailed
 from cc_server.microvm.image import PRUNE_AFTER_S, GuestImage, touch
-from cc_server.microvm.link import AgentLink, Request, hello_request
+from cc_server.microvm.link import VM_DIR_PREFIX, AgentLink, Request, hello_request, private_dir
 from cc_server.microvm.proto import Frame
 from cc_server.microvm.vm import (
     Confinement,
@@ -39,6 +38,7 @@ from cc_server.microvm.vm import (
     confined_argv,
     qemu_argv,
 )
+from cc_server.rundir import egress_base_dir
 
 __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 
@@ -81,9 +81,12 @@ class VmPool:
         config: MachineConfig,
         cache_dir: Path,
         bwrap: str | None = None,
+        run_base: str | None = None,
     ) -> None:
         self.qemu = qemu
         self.bwrap = bwrap  # QEMU runs under bubblewrap when set (see vm.confined_argv)
+        # Where the template boot's VM directory goes (None: the server's private base).
+        self.run_base = run_base
         self.image = image
         self.config = config
         self.cache_dir = cache_dir
@@ -172,14 +175,31 @@ class VmPool:
             return False
         return _sha256(self.template_dir / "ram.img") == saved
 
+    def _remove_dead_builds(self) -> None:
+        """Remove the half-built snapshots of servers that were killed while building one (a
+        256 MiB RAM file each; `prune_cache` keeps every entry of the current image)."""
+        prefix = self.template_dir.name + ".build-"
+        for entry in self.cache_dir.glob(prefix + "*"):
+            pid = entry.name.removeprefix(prefix)
+            if not pid.isdigit() or int(pid) == os.getpid():
+                continue
+            try:
+                os.kill(int(pid), 0)
+            except ProcessLookupError:
+                shutil.rmtree(entry, ignore_errors=True)
+            except PermissionError:
+                continue
+
     async def _build_template(self) -> None:
         self.empty_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
+        self._remove_dead_builds()
         work = self.template_dir.with_name(self.template_dir.name + f".build-{os.getpid()}")
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True, mode=0o700)
-        # The boot's sockets and logs live in a short private directory: a Unix socket path
-        # must fit in 108 bytes, and the cache directory may be deep.
-        run = Path(tempfile.mkdtemp(prefix="cc-vm-build-"))
+        # The boot's sockets and logs live in a VM directory like a session's: a Unix socket
+        # path must fit in 108 bytes (the cache directory may be deep), and the next boot kills
+        # the QEMU of a server killed mid-build and removes the directory (remove_stale_vm_dirs).
+        run = private_dir(self.run_base or egress_base_dir(), VM_DIR_PREFIX)
         try:
             ram = work / "ram.img"
             with open(ram, "wb") as f:

@@ -150,6 +150,7 @@ class ProbeParams:
     which: Callable[[str], str | None] = field(default=shutil.which)
     kvm_device: str = KVM_DEVICE
     accels: tuple[str, ...] = ("kvm", "tcg")  # tried in this order
+    run_base: str | None = None  # where VM directories go (None: the server's private base)
 
 
 async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | None]:
@@ -179,7 +180,7 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
         if accel == "kvm" and not kvm_usable:
             continue
         pool = VmPool(qemu=qemu, image=image, config=MachineConfig(accel=accel),
-                      cache_dir=params.cache_dir, bwrap=bwrap)
+                      cache_dir=params.cache_dir, bwrap=bwrap, run_base=params.run_base)
         outcomes[accel] = await _boot_test(pool, params.cache_dir, image)
         pools[accel] = pool
         if outcomes[accel].ok:

@@ -108,6 +108,6 @@ async def probe_runtime(cache_dir: Path | None = None, *,
     base = egress_base_dir()
     remove_stale_vm_dirs(base)
     verdict, pool = await probe_microvm(
-        ProbeParams(cache_dir=cache_dir or default_cache_dir(), accels=accels)
+        ProbeParams(cache_dir=cache_dir or default_cache_dir(), accels=accels, run_base=base)
     )
     return MicroVMRuntime(probe=verdict, pool=pool, run_base=base)
