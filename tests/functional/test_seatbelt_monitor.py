@@ -4,6 +4,7 @@ TCP for the profile's proxy ports. Nothing here needs a Mac; what does is in doc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shlex
@@ -128,3 +129,24 @@ async def test_macos_egress_listens_on_loopback_tcp_and_hands_the_ports_over(
     finally:
         await egress.aclose()
     assert os.listdir(base) == []
+
+
+async def test_a_cancelled_close_still_frees_log_and_passes_the_cancellation_on() -> None:
+    monitor = SeatbeltMonitor(
+        session_id=SESSION,
+        suggest=lambda host: None,
+        on_violation=lambda v: None,
+        log_argv=["/bin/sh", "-c", "exec sleep 30 " + shlex.quote("cc-monitor-cancel")],
+    )
+    await monitor.start()
+    proc, transport = monitor._proc, monitor._transport
+    assert proc is not None and transport is not None
+    closing = asyncio.get_running_loop().create_task(monitor.aclose(), name="close monitor")
+    await asyncio.sleep(0)  # aclose has killed `log` and waits for its reader
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert transport.is_closing()  # the pipes to `log` are closed all the same
+    async with asyncio.timeout(5):
+        assert await proc.wait() != 0  # and `log` is gone, not left running
+    await monitor.aclose()  # a second close is fine

@@ -90,20 +90,24 @@ class SeatbeltMonitor:
             await asyncio.shield(self._reader)
 
     async def aclose(self) -> None:
-        """Stop `log` and the reader. Idempotent."""
+        """Stop `log` and the reader. Idempotent; the pipes to `log` are closed (and `log` killed)
+        even when this is cancelled, and the cancellation is passed on."""
         self._closed = True
         proc, self._proc = self._proc, None
         reader, self._reader = self._reader, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-        if reader is not None:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
-        if proc is not None:
-            with contextlib.suppress(Exception):
-                await proc.wait()
-        if self._transport is not None:
-            self._transport.close()
-            self._transport = None
+        transport, self._transport = self._transport, None
+        try:
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+            if reader is not None:
+                reader.cancel()
+                await asyncio.wait([reader])  # how the reader ended is not the caller's error
+                if not reader.cancelled():
+                    reader.exception()  # retrieved: nothing is left to report once closing
+            if proc is not None:
+                with contextlib.suppress(Exception):
+                    await proc.wait()
+        finally:
+            if transport is not None:
+                transport.close()
