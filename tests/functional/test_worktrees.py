@@ -173,6 +173,31 @@ def test_a_closed_manager_unmounts_and_the_next_one_remounts(
     assert os.listdir(base) == []
 
 
+def test_a_removal_whose_unmount_fails_can_be_retried(
+    tmp_path: pathlib.Path, repo: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not _works(WorktreeStrategy.OVERLAY, tmp_path):
+        pytest.skip("overlay mounts need CAP_SYS_ADMIN; this host uses another strategy")
+    from cc_server.dispatch import worktrees as module
+
+    base = tmp_path / "wt"
+    manager = WorktreeManager(base=str(base), strategy=WorktreeStrategy.OVERLAY)
+    manager.register("r", str(repo))
+    wt = manager.create("r", "c1")
+
+    def busy(target: str) -> None:
+        raise OSError(16, "Device or resource busy", target)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "_umount", busy)
+        with pytest.raises(WorktreeError, match="cannot unmount"):
+            manager.remove(wt.worktree_id)
+    assert [w.worktree_id for w in manager.list()] == [wt.worktree_id]
+    assert mounted_under(str(base)) == [wt.path]
+    assert manager.remove(wt.worktree_id) is True  # the retry the error's fix asks for
+    assert mounted_under(str(tmp_path)) == [] and os.listdir(base) == []
+
+
 @pytest.mark.parametrize(
     ("repo_id", "conversation", "message"),
     [

@@ -477,12 +477,14 @@ class WorktreeManager:
         """Unmount, delete and prune; False when unknown (idempotent).
 
         Raises:
-            WorktreeError: the mount could not be removed (the directory is kept).
+            WorktreeError: the mount could not be removed (the worktree stays listed, so removing
+                it again retries).
         """
-        wt = self.worktrees.pop(worktree_id, None)
+        wt = self.worktrees.get(worktree_id)
         if wt is None:
             return False
         self._teardown(wt)
+        del self.worktrees[worktree_id]
         return True
 
     def _teardown(self, wt: Worktree) -> None:
