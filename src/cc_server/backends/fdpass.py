@@ -1,4 +1,5 @@
-"""Receiving file descriptors a sandbox's launcher sends over a socketpair (SCM_RIGHTS)."""
+"""Receiving file descriptors a sandbox's launcher sends over a socketpair (SCM_RIGHTS), and
+waiting for a socket the event loop does not own to become readable."""
 
 from __future__ import annotations
 
@@ -8,7 +9,23 @@ import socket
 
 from cc_server.errors import EnforcementFailed
 
-__all__ = ["receive_fds"]
+__all__ = ["receive_fds", "wait_readable"]
+
+
+async def wait_readable(sock: socket.socket) -> None:
+    """Wait until `sock` is readable (data, a message with descriptors, or EOF)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    loop.add_reader(sock.fileno(), wake)
+    try:
+        await ready
+    finally:
+        loop.remove_reader(sock.fileno())
 
 
 async def receive_fds(
@@ -22,23 +39,14 @@ async def receive_fds(
             sent anything else (whatever arrived is closed); the launcher runs the command only
             after sending, so it has not run.
     """
-    loop = asyncio.get_running_loop()
     sock.setblocking(False)
-    arrived: asyncio.Future[None] = loop.create_future()
-
-    def readable() -> None:
-        if not arrived.done():
-            arrived.set_result(None)
-
-    loop.add_reader(sock.fileno(), readable)
     try:
         async with asyncio.timeout(timeout_s):
             while True:
-                await arrived
+                await wait_readable(sock)
                 try:
                     data, fds, _flags, _addr = socket.recv_fds(sock, len(tag), count)
                 except BlockingIOError:
-                    arrived = loop.create_future()
                     continue
                 break
     except TimeoutError:
@@ -46,8 +54,6 @@ async def receive_fds(
             f"the sandbox's launcher sent no {what} within {timeout_s:g} s; "
             "the command was not run"
         ) from None
-    finally:
-        loop.remove_reader(sock.fileno())
     if data != tag or len(fds) != count:
         for fd in fds:
             os.close(fd)
