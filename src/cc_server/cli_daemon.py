@@ -20,12 +20,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import re
 import signal
 import socket
 import struct
 import sys
 from typing import Any, Final
 
+from cc_server.backends.fdpass import wait_readable
 from cc_server.cli_client import receive_message, send_message
 
 __all__ = ["main"]
@@ -90,8 +92,7 @@ class _Daemon:
         fds: list[int] = []
         try:
             client.setblocking(False)
-            loop = asyncio.get_running_loop()
-            await _readable(loop, client)
+            await wait_readable(client)
             client.settimeout(MESSAGE_TIMEOUT_S)  # a client that stalls mid-message is dropped
             request, fds = receive_message(client, max_fds=3)
             client.setblocking(False)
@@ -171,10 +172,18 @@ def _parse(request: dict[str, Any], err: Any) -> tuple[Any, Any]:
         raise ValueError("argv is not a list of strings")
     if not isinstance(cwd, str) or not os.path.isabs(cwd):
         raise ValueError("cwd is not an absolute path")
+    from cc_server.errors import BadSpec
+
     here = os.getcwd()
-    saved = sys.stdout, sys.stderr
     try:
         os.chdir(cwd)
+    except OSError as exc:
+        raise BadSpec(
+            f"the client's working directory {cwd!r} cannot be entered: {exc.strerror}",
+            fix="run cc-server from a directory that exists",
+        ) from None
+    saved = sys.stdout, sys.stderr
+    try:
         sys.stdout = sys.stderr = err  # argparse prints its usage errors here
         args = cli.parser().parse_args(argv)
         return args, cli.build_spec(args)
@@ -183,25 +192,10 @@ def _parse(request: dict[str, Any], err: Any) -> tuple[Any, Any]:
         os.chdir(here)
 
 
-async def _readable(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    ready: asyncio.Future[None] = loop.create_future()
-
-    def wake() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    loop.add_reader(sock.fileno(), wake)
-    try:
-        await ready
-    finally:
-        loop.remove_reader(sock.fileno())
-
-
 async def _watch_client(client: socket.socket, execution: Any) -> None:
     """A forwarded signal ends the command gracefully; the client going away kills it."""
-    loop = asyncio.get_running_loop()
     while True:
-        await _readable(loop, client)
+        await wait_readable(client)
         try:
             client.settimeout(MESSAGE_TIMEOUT_S)
             message, _ = receive_message(client)
@@ -215,8 +209,29 @@ async def _watch_client(client: socket.socket, execution: Any) -> None:
             await execution.terminate(SIGNAL_GRACE_S, reason=name)
 
 
+_TEMPORARY: Final = re.compile(r"^cli-[0-9a-f]+\.sock\.(?P<pid>\d+)\.tmp$")
+
+
+def _remove_stale_temporaries(directory: str) -> None:
+    """A daemon killed between binding its temporary name and removing it left that name: remove
+    the ones whose daemon is gone (only names of this form)."""
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            match = _TEMPORARY.match(name)
+            if match is None:
+                continue
+            try:
+                os.kill(int(match["pid"]), 0)
+            except ProcessLookupError:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(os.path.join(directory, name))
+            except PermissionError:
+                pass  # alive, someone else's
+
+
 def _listen(path: str) -> socket.socket | None:
     """Bind under a temporary name, then hard-link into place: None if another daemon won."""
+    _remove_stale_temporaries(os.path.dirname(path))
     temporary = f"{path}.{os.getpid()}.tmp"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:

@@ -22,9 +22,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from cc_server.cli_client import receive_message, send_message
+
 pytestmark = pytest.mark.integration
 
 CLI_TIMEOUT_S = 60.0
+STALE_PID = 2**22 + 7  # above the largest pid_max Linux allows (2**22): never a live process
 PROMPT_S = 10.0
 
 
@@ -121,15 +124,44 @@ def test_a_run_through_the_daemon_is_the_same_sandbox(
     assert daemon_pids(runtime) == [pid]
 
 
-def test_errors_and_usage_reach_the_clients_stderr(env: dict[str, str]) -> None:
+def test_errors_and_usage_reach_the_clients_stderr(
+    env: dict[str, str], runtime: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
     bad = client("run", "--bind", "/does/not/exist", "--", "true", env=env)
     assert bad.returncode == 2 and "BadSpec" in bad.stderr, bad.stderr
     usage = client("run", "--mode", "nonsense", "--", "true", env=env)
     assert usage.returncode == 2 and "invalid choice" in usage.stderr, usage.stderr
-    refused = client("run", "--backend", "microvm", "--", "true", env=env)
-    assert refused.returncode in (0, 125), refused.stderr  # no VM here: refused, never run
-    if refused.returncode == 125:
-        assert "BackendUnavailable" in refused.stderr
+    # The CLI never probes the microVM runtime: an explicit microvm is refused and never runs.
+    marker = tmp_path / "ran"
+    refused = client("run", "--backend", "microvm", "--", "touch", str(marker), env=env)
+    assert refused.returncode == 125, refused.stderr
+    assert "BackendUnavailable" in refused.stderr and "microvm" in refused.stderr
+    assert not marker.exists()
+    # A working directory that is gone by the time the daemon serves it: said on the client's
+    # stderr, and the command never runs.
+    [path] = sockets(runtime)
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX) as sock, open(os.devnull, "rb") as devnull:
+            sock.connect(str(path))
+            request = {"argv": ["run", "--", "touch", str(marker)],
+                       "cwd": str(tmp_path / "missing"), "env": {}}
+            send_message(sock, request, fds=(devnull.fileno(), out_w, err_w))
+            os.close(out_w)
+            os.close(err_w)
+            out_w = err_w = -1
+            sock.settimeout(PROMPT_S)
+            reply, _ = receive_message(sock)
+        assert reply == {"exit": 2}
+        with os.fdopen(err_r, "rb") as err:
+            err_r = -1
+            assert b"working directory" in err.read()
+    finally:
+        for fd in (out_r, out_w, err_r, err_w):
+            if fd >= 0:
+                os.close(fd)
+    assert not marker.exists()
 
 
 def test_sigterm_to_the_client_ends_the_command(
@@ -227,6 +259,30 @@ def test_another_user_cannot_reach_the_daemon(env: dict[str, str], runtime: path
             os._exit(code)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_new_daemon_removes_what_a_killed_one_left(
+    env: dict[str, str], runtime: pathlib.Path
+) -> None:
+    base = runtime / "cc-server"
+    base.mkdir(mode=0o700)
+    dead = base / f"cli-0123abcd.sock.{STALE_PID}.tmp"  # bound, then killed before the rename
+    live = base / f"cli-0123abcd.sock.{os.getpid()}.tmp"  # a daemon starting right now
+    other = base / "cli-notes.tmp"  # not a name the daemon makes
+    for path in (dead, live, other):
+        path.touch()
+    with pytest.raises(ProcessLookupError):
+        os.kill(STALE_PID, 0)
+    assert client("run", "--", "true", env=env).returncode == 0
+    assert not dead.exists() and live.exists() and other.exists()
+    # A killed daemon's socket is replaced by the next one.
+    [pid] = daemon_pids(runtime)
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: not daemon_pids(runtime))
+    [stale] = sockets(runtime)
+    again = client("run", "--", "sh", "-c", "echo again", env=env)
+    assert again.returncode == 0 and again.stdout == "again\n", again.stderr
+    assert sockets(runtime) == [stale] and len(daemon_pids(runtime)) == 1
 
 
 def test_daemon_stop_and_off(env: dict[str, str], runtime: pathlib.Path) -> None:
