@@ -36,6 +36,8 @@ from cc_server.dispatch.worktrees import (
     WorktreeStrategy,
     _try_overlay,
     _try_reflink,
+    _umount,
+    mounted_under,
 )
 from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, HostFacts
 from cc_server.runtime.handle import run_collect
@@ -130,25 +132,27 @@ async def bench_dispatch(root: str, repo: str, rounds: int) -> None:
     )
     direct: list[float] = []
     dispatched: list[float] = []
-    for i in range(rounds):
-        start = time.perf_counter()
-        run = await service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.HARNESS)
-        done = await run.harness.run(["true"])
-        await service.close_run(run.run_id)
-        dispatched.append(time.perf_counter() - start)
-        assert done.exit_code == 0, done
-        spec = msgspec.structs.replace(run.spec, session_id=f"direct-{i}")
-        os.makedirs(spec.runner_state_dirs[0], exist_ok=True)
-        start = time.perf_counter()
-        handle = manager.launch(spec, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
-        plain = await run_collect(handle, ["true"], cwd=wt.path)
-        await manager.destroy(spec.session_id)
-        direct.append(time.perf_counter() - start)
-        shutil.rmtree(spec.runner_state_dirs[0])
-        assert plain.exit_code == 0
-    await service.aclose()
-    await manager.aclose()
-    worktrees.remove_all()
+    try:
+        for i in range(rounds):
+            start = time.perf_counter()
+            run = await service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.HARNESS)
+            done = await run.harness.run(["true"])
+            await service.close_run(run.run_id)
+            dispatched.append(time.perf_counter() - start)
+            assert done.exit_code == 0, done
+            spec = msgspec.structs.replace(run.spec, session_id=f"direct-{i}")
+            os.makedirs(spec.runner_state_dirs[0], exist_ok=True)
+            start = time.perf_counter()
+            handle = manager.launch(spec, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
+            plain = await run_collect(handle, ["true"], cwd=wt.path)
+            await manager.destroy(spec.session_id)
+            direct.append(time.perf_counter() - start)
+            shutil.rmtree(spec.runner_state_dirs[0])
+            assert plain.exit_code == 0
+    finally:
+        await service.aclose()
+        await manager.aclose()
+        worktrees.remove_all()
     d, p = statistics.median(dispatched), statistics.median(direct)
     print(f"dispatch run (open, harness `true`, close), {rounds} rounds (medians):")
     print(f"  dispatch {d * 1000:8.1f} ms   manager launch+exec {p * 1000:8.1f} ms   "
@@ -166,6 +170,10 @@ def main() -> int:
         bench_worktrees(root, repo, args.rounds)
         asyncio.run(bench_dispatch(root, repo, args.rounds))
     finally:
+        # Whatever failed, no worktree mount outlives the run (rmtree would reach through one
+        # into the checkout and could not remove its mount point).
+        for point in mounted_under(root):
+            _umount(point)
         shutil.rmtree(root, ignore_errors=True)
     return 0
 
