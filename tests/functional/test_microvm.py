@@ -5,6 +5,7 @@ nested kind that cannot boot a guest), on KVM where the probe finds it works."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import pathlib
@@ -172,6 +173,27 @@ async def test_destroy_leaves_nothing(tmp_path: pathlib.Path) -> None:
     assert host_pids_with(str(run_dir)) == []  # QEMU too, not only its bubblewrap
     assert not run_dir.exists()  # sockets, logs, state: all of it
     assert sorted(os.listdir(default_cache_dir())) == cache_before  # no image copy
+
+
+async def test_a_cancelled_stop_still_ends_qemu(tmp_path: pathlib.Path) -> None:
+    # A teardown cancelled again (a server shutting down while a session is destroyed) must not
+    # leave QEMU running: the VM is ended whatever step the cancellation lands in.
+    m = manager(tmp_path)
+    handle = await launch(m)
+    try:
+        vm = handle._vm
+        assert vm is not None
+        qemu_pid, run_dir = vm.qemu.pid, vm.run_dir
+        for _ in range(3):  # the cancellation lands in the first await of the stop
+            stop = asyncio.create_task(vm.stop())
+            await asyncio.sleep(0)
+            stop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await stop
+        assert not alive(qemu_pid)
+        assert wait_until_gone(str(run_dir), 10) == []
+    finally:
+        await m.aclose()
 
 
 async def test_suspended_vm_destroyed_leaves_nothing(tmp_path: pathlib.Path) -> None:

@@ -256,14 +256,14 @@ class MicroVMHandle(SandboxHandle):
         try:
             if vm is not None:
                 await vm.stop()
+        finally:
             if self._link is not None:
                 self._link.close_all(AgentGone("the microVM was stopped"))
-        finally:
-            if self.egress is not None:
-                await self.egress.aclose()
             run_dir, self._run_dir = self._run_dir, None
             if run_dir is not None:
                 shutil.rmtree(run_dir, ignore_errors=True)
+            if self.egress is not None:
+                await self.egress.aclose()
 
     async def destroy(self) -> None:
         """Kill every command, end QEMU, stop the proxies, remove the VM's directory (its

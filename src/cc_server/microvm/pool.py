@@ -65,9 +65,12 @@ class Vm:
         self.link = link
 
     async def stop(self) -> None:
-        """Detach the agent link and end QEMU. Idempotent."""
-        await self.link.detach()
-        await self.qemu.quit()
+        """Detach the agent link and end QEMU (even when cancelled or the link fails).
+        Idempotent."""
+        try:
+            await self.link.detach()
+        finally:
+            await self.qemu.quit()
 
 
 class VmPool:

@@ -413,13 +413,15 @@ class Qemu:
         await self.wait_status("paused")
 
     async def quit(self) -> None:
-        """Ask QEMU to quit, then kill it if it lingers. Idempotent."""
-        if self.returncode is None and self.qmp is not None:
-            with contextlib.suppress(QmpError, OSError, TimeoutError):
-                async with asyncio.timeout(QUIT_GRACE_S):
-                    await self.execute("quit")
-                    await self.proc.wait()
-        await self.kill()
+        """Ask QEMU to quit, then kill it if it lingers; killed too when cancelled. Idempotent."""
+        try:
+            if self.returncode is None and self.qmp is not None:
+                with contextlib.suppress(QmpError, OSError, TimeoutError):
+                    async with asyncio.timeout(QUIT_GRACE_S):
+                        await self.execute("quit")
+                        await self.proc.wait()
+        finally:
+            await self.kill()
 
     async def kill(self) -> None:
         """SIGKILL QEMU and reap it. Idempotent."""
