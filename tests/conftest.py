@@ -7,6 +7,8 @@ from collections.abc import Generator
 
 import pytest
 
+from cc_server.backends.probe import ProbeResult, probe
+
 STRICT_MARKERS = ("security", "integration")
 
 
@@ -25,3 +27,13 @@ def pytest_runtest_makereport(
     ):
         report.outcome = "failed"
         report.longrepr = f"skipped under CC_SERVER_NO_SKIP=1: {report.longrepr}"
+
+
+@pytest.fixture(scope="session")
+def probe_result() -> ProbeResult:
+    """This host's probe, once per run: the functional and security suites need bubblewrap."""
+    result = probe()
+    assert result.available and result.mechanism == "bubblewrap", (
+        f"these tests need bubblewrap and socat; probe said: {result.hint}"
+    )
+    return result

@@ -9,18 +9,9 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from cc_server.backends.probe import ProbeResult, probe
+from cc_server.backends.probe import ProbeResult
 from cc_server.policy import HostFacts
 from cc_server.runtime.port import SandboxManager
-
-
-@pytest.fixture(scope="module")
-def probe_result() -> ProbeResult:
-    result = probe()
-    assert result.available and result.mechanism == "bubblewrap", (
-        f"these tests need bubblewrap and socat; probe said: {result.hint}"
-    )
-    return result
 
 
 @pytest.fixture
