@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shlex
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from cc_server.runtime.events import SandboxViolation
 from cc_server.runtime.seatbelt_monitor import SeatbeltMonitor
 
 SESSION = "mac-session"
+SLEEPING_LOG = ["/bin/sleep", "30"]  # a `log stream` that stays up and says nothing
 
 
 @pytest.fixture
@@ -50,6 +50,29 @@ def fake_log(tmp_path: Path, lines: list[str]) -> list[str]:
     recorded = tmp_path / "log.ndjson"
     recorded.write_text("".join(line + "\n" for line in lines))
     return ["/bin/cat", str(recorded)]
+
+
+def quiet_monitor(log_argv: list[str]) -> SeatbeltMonitor:
+    """A monitor of SESSION that suggests nothing and drops what it sees."""
+    return SeatbeltMonitor(
+        session_id=SESSION,
+        suggest=lambda host: None,
+        on_violation=lambda v: None,
+        log_argv=log_argv,
+    )
+
+
+def mac_egress(base: str, monitor: SeatbeltMonitor) -> SessionEgress:
+    """SESSION's egress as on macOS (loopback TCP), refusing everything, watched by `monitor`."""
+    return SessionEgress(
+        session_id=SESSION,
+        allowlist=Allowlist(patterns=(), denied=()),
+        suggest=lambda host: None,
+        on_violation=lambda v: None,
+        base_dir=base,
+        tcp=True,
+        monitor=monitor,
+    )
 
 
 async def test_the_monitor_reports_the_sessions_denials_only(tmp_path: Path) -> None:
@@ -82,21 +105,7 @@ async def test_a_monitor_that_cannot_start_keeps_the_command_from_running(
     tmp_path: Path, runtime_dir: str
 ) -> None:
     base = egress_base_dir({"XDG_RUNTIME_DIR": runtime_dir})
-    monitor = SeatbeltMonitor(
-        session_id=SESSION,
-        suggest=lambda host: None,
-        on_violation=lambda v: None,
-        log_argv=[str(tmp_path / "no-such-log")],
-    )
-    egress = SessionEgress(
-        session_id=SESSION,
-        allowlist=Allowlist(patterns=(), denied=()),
-        suggest=lambda host: None,
-        on_violation=lambda v: None,
-        base_dir=base,
-        tcp=True,
-        monitor=monitor,
-    )
+    egress = mac_egress(base, quiet_monitor([str(tmp_path / "no-such-log")]))
     with pytest.raises(EnforcementFailed, match="could not start"):
         await egress.start()
     assert os.listdir(base) == []  # no socket directory left behind
@@ -107,21 +116,7 @@ async def test_macos_egress_listens_on_loopback_tcp_and_hands_the_ports_over(
     runtime_dir: str,
 ) -> None:
     base = egress_base_dir({"XDG_RUNTIME_DIR": runtime_dir})
-    monitor = SeatbeltMonitor(
-        session_id=SESSION,
-        suggest=lambda host: None,
-        on_violation=lambda v: None,
-        log_argv=["/bin/sh", "-c", "exec sleep 30 " + shlex.quote("cc-monitor-test")],
-    )
-    egress = SessionEgress(
-        session_id=SESSION,
-        allowlist=Allowlist(patterns=(), denied=()),
-        suggest=lambda host: None,
-        on_violation=lambda v: None,
-        base_dir=base,
-        tcp=True,
-        monitor=monitor,
-    )
+    egress = mac_egress(base, quiet_monitor(SLEEPING_LOG))
     bridge = await egress.start()
     try:
         assert bridge.http_port and bridge.socks_port
@@ -132,12 +127,7 @@ async def test_macos_egress_listens_on_loopback_tcp_and_hands_the_ports_over(
 
 
 async def test_a_cancelled_close_still_frees_log_and_passes_the_cancellation_on() -> None:
-    monitor = SeatbeltMonitor(
-        session_id=SESSION,
-        suggest=lambda host: None,
-        on_violation=lambda v: None,
-        log_argv=["/bin/sh", "-c", "exec sleep 30 " + shlex.quote("cc-monitor-cancel")],
-    )
+    monitor = quiet_monitor(SLEEPING_LOG)
     await monitor.start()
     proc, transport = monitor._proc, monitor._transport
     assert proc is not None and transport is not None
