@@ -118,6 +118,11 @@ def test_a_run_through_the_daemon_is_the_same_sandbox(
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
     [pid] = daemon_pids(runtime)
+    # The daemon was started with only what keys it, never the first client's secrets.
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        daemon_env = dict(v.split(b"=", 1) for v in f.read().split(b"\0") if v)
+    assert set(daemon_env) <= {b"HOME", b"PATH", b"XDG_RUNTIME_DIR", b"TMPDIR"}, daemon_env
+    assert daemon_env[b"HOME"] == env["HOME"].encode()
     # The next run is served by the same daemon.
     again = client("run", "--", "sh", "-c", "echo again", env=env)
     assert again.returncode == 0 and again.stdout == "again\n", again.stderr
