@@ -16,7 +16,7 @@ import signal
 import struct
 import subprocess
 import termios
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
@@ -103,27 +103,42 @@ async def start(
         EnforcementFailed: the program could not be started (missing binary, bad cwd, fd setup);
             the command has not run.
     """
+    with _materialised(plan, fds) as (argv, pass_fds):
+        return await _spawn(plan, argv, pass_fds, stdin=stdin, stdout=stdout, stderr=stderr)
+    raise AssertionError("unreachable")  # pragma: no cover (the context manager re-raises)
+
+
+async def _spawn(
+    plan: LaunchPlan,
+    argv: list[str],
+    pass_fds: Sequence[int],
+    *,
+    stdin: _Stream,
+    stdout: _Stream,
+    stderr: _Stream,
+    preexec_fn: Callable[[], None] | None = None,
+) -> tuple[asyncio.subprocess.Process, asyncio.SubprocessTransport]:
+    """What asyncio.create_subprocess_exec does, keeping the transport: the plan's exact
+    environment and cwd, in a new session, child exits watched with a pidfd."""
     import asyncio  # lazy imports (see the module docstring)
 
     from cc_server.backends.child_watch import use_pidfd_child_watcher
 
     loop = asyncio.get_running_loop()
     use_pidfd_child_watcher()
-    with _materialised(plan, fds) as (argv, pass_fds):
-        # What asyncio.create_subprocess_exec does, keeping the transport.
-        transport, protocol = await loop.subprocess_exec(
-            lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=2**16, loop=loop),
-            *argv,
-            stdin=stdin,
-            stdout=stdout,
-            stderr=stderr,
-            env=dict(plan.env),
-            cwd=plan.cwd,
-            pass_fds=pass_fds,
-            start_new_session=True,
-        )
-        return asyncio.subprocess.Process(transport, protocol, loop), transport
-    raise AssertionError("unreachable")  # pragma: no cover (the context manager re-raises)
+    transport, protocol = await loop.subprocess_exec(
+        lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=2**16, loop=loop),
+        *argv,
+        stdin=stdin,
+        stdout=stdout,
+        stderr=stderr,
+        env=dict(plan.env),
+        cwd=plan.cwd,
+        pass_fds=pass_fds,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
+    return asyncio.subprocess.Process(transport, protocol, loop), transport
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,11 +180,6 @@ async def start_pty(plan: LaunchPlan, rows: int, cols: int) -> PtyProcess:
         EnforcementFailed: the PTY could not be opened or the program could not be started; the
             command has not run.
     """
-    import asyncio  # lazy imports (see the module docstring)
-
-    from cc_server.backends.child_watch import use_pidfd_child_watcher
-
-    loop = asyncio.get_running_loop()
     try:
         master, slave = os.openpty()  # both close-on-exec; Popen dups the slave onto 0, 1, 2
     except OSError as exc:
@@ -177,19 +187,10 @@ async def start_pty(plan: LaunchPlan, rows: int, cols: int) -> PtyProcess:
     try:
         set_window_size(master, rows, cols)
         os.set_blocking(master, False)
-        use_pidfd_child_watcher()
         with _materialised(plan) as (argv, fds):
             try:
-                transport, protocol = await loop.subprocess_exec(
-                    lambda: asyncio.subprocess.SubprocessStreamProtocol(limit=2**16, loop=loop),
-                    *argv,
-                    stdin=slave,
-                    stdout=slave,
-                    stderr=slave,
-                    env=dict(plan.env),
-                    cwd=plan.cwd,
-                    pass_fds=fds,
-                    start_new_session=True,
+                process, transport = await _spawn(
+                    plan, argv, fds, stdin=slave, stdout=slave, stderr=slave,
                     preexec_fn=_take_controlling_terminal,
                 )
             except subprocess.SubprocessError as exc:  # the preexec step failed in the child
@@ -202,7 +203,6 @@ async def start_pty(plan: LaunchPlan, rows: int, cols: int) -> PtyProcess:
         raise
     finally:
         os.close(slave)
-    process = asyncio.subprocess.Process(transport, protocol, loop)
     return PtyProcess(process=process, transport=transport, master_fd=master)
 
 
