@@ -12,6 +12,7 @@ import pathlib
 import stat
 import subprocess
 import textwrap
+import time
 
 import pytest
 from supervisor_kit import PYTHON, Launch, py, run, sh
@@ -321,15 +322,27 @@ def test_a_fifo_without_a_reader_does_not_stall_other_creates(tmp_path: pathlib.
     assert (tmp_path / "writer-done").read_text() == "done\n"
 
 
+def _threads_and_fds() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
 def test_a_fifo_left_waiting_does_not_hold_the_supervisor_open(tmp_path: pathlib.Path) -> None:
     os.mkfifo(tmp_path / "fifo")
+    before = _threads_and_fds()
     launch = Launch(["/bin/sh", "-c", "echo hi > fifo"], str(tmp_path))
     with pytest.raises(subprocess.TimeoutExpired):
         launch.proc.wait(timeout=0.5)
     assert launch.proc.poll() is None  # blocked in open, as it would be natively
+    assert _threads_and_fds()[0] > before[0]  # control: the workers and the helper are counted
     launch.proc.kill()
     result = launch.finish()  # stopping releases the waiting helper; this returns
     assert result.returncode == -9
+    # Nothing of the supervisor outlives it: no worker or helper thread, no listener, pipe or
+    # FIFO fd (a detached helper may still be returning for a moment after its last word).
+    deadline = time.monotonic() + 5.0
+    while _threads_and_fds() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _threads_and_fds() == before
 
 
 def test_a_second_listener_cannot_be_installed(tmp_path: pathlib.Path) -> None:
