@@ -140,3 +140,19 @@ async def test_a_cancelled_close_still_frees_log_and_passes_the_cancellation_on(
     async with asyncio.timeout(5):
         assert await proc.wait() != 0  # and `log` is gone, not left running
     await monitor.aclose()  # a second close is fine
+
+
+async def test_a_log_that_ends_on_its_own_is_reported_and_a_closed_one_is_not(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ended = quiet_monitor(fake_log(tmp_path, []))
+    await ended.start()
+    await ended.drain()
+    await ended.aclose()
+    closed = quiet_monitor(SLEEPING_LOG)
+    await closed.start()
+    await closed.aclose()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        f"seatbelt monitor {session_tag_for(SESSION)}: `log` ended; denials are no longer reported"
+    ]

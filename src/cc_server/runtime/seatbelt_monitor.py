@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable, Sequence
 
 from cc_server.backends.plan import LaunchPlan
@@ -27,6 +28,7 @@ from cc_server.runtime.events import SandboxViolation
 
 __all__ = ["SeatbeltMonitor"]
 
+log = logging.getLogger("cc_server.runtime.seatbelt_monitor")
 LOG_ENV = (("PATH", "/usr/bin:/bin"), ("LC_ALL", "C"))  # `log` needs nothing of ours
 
 
@@ -80,9 +82,24 @@ class SeatbeltMonitor:
         )
         assert self._proc.stdout is not None
         self._reader = asyncio.get_running_loop().create_task(
-            watch_denials(self._proc.stdout, self._parser, self._report),
-            name=f"seatbelt monitor {self._tag}",
+            self._watch(self._proc.stdout), name=f"seatbelt monitor {self._tag}"
         )
+
+    async def _watch(self, stdout: asyncio.StreamReader) -> None:
+        try:
+            await watch_denials(stdout, self._parser, self._report)
+        except Exception:
+            if not self._closed:
+                log.warning(
+                    "seatbelt monitor %s failed; denials are no longer reported",
+                    self._tag,
+                    exc_info=True,
+                )
+            raise
+        if not self._closed:
+            log.warning(
+                "seatbelt monitor %s: `log` ended; denials are no longer reported", self._tag
+            )
 
     async def drain(self) -> None:
         """Wait until `log` has exited and every line it wrote has been reported (tests)."""
