@@ -34,6 +34,7 @@ from cc_server.policy import (
 pytestmark = pytest.mark.security
 
 SWAP_ITERATIONS = 3000  # tool calls made while a thread flips a link under them
+MIN_FLIPS = 20  # link replacements the flipping thread must have made during those calls
 
 
 @dataclass
@@ -314,14 +315,18 @@ def test_hard_linked_files_are_not_written(tree: Tree) -> None:
     assert (tree.repo / "README").read_text() == "original checkout\n"
 
 
-def _flip(link: pathlib.Path, targets: tuple[str, str], stop: threading.Event) -> None:
-    """Atomically replace `link` by a link to each target in turn until told to stop."""
+def _flip(
+    link: pathlib.Path, targets: tuple[str, str], stop: threading.Event, flips: list[int]
+) -> None:
+    """Atomically replace `link` by a link to each target in turn until told to stop; count the
+    replacements in `flips[0]`."""
     tmp = link.with_name(link.name + ".flip")
     i = 0
     while not stop.is_set():
         try:
             os.symlink(targets[i % 2], tmp)
             os.replace(tmp, link)
+            flips[0] += 1
         except FileExistsError:
             os.unlink(tmp)
         i += 1
@@ -357,9 +362,11 @@ def test_a_link_swapped_during_the_call_is_never_followed_out(
     key_before = tree.key.read_bytes()
     ssh_before = sorted(os.listdir(tree.home / ".ssh"))
     stop = threading.Event()
-    flipper = threading.Thread(target=_flip, args=(link, resolved, stop), daemon=True)
+    flips = [0]
+    flipper = threading.Thread(target=_flip, args=(link, resolved, stop, flips), daemon=True)
     flipper.start()
     outcomes: dict[str, int] = {}
+    flips_during_calls = 0
     try:
         for _ in range(SWAP_ITERATIONS):
             try:
@@ -384,9 +391,12 @@ def test_a_link_swapped_during_the_call_is_never_followed_out(
                 result = str(exc)
                 outcomes["error"] = outcomes.get("error", 0) + 1
             assert tree.marker not in repr(result)
+        flips_during_calls = flips[0]
     finally:
         stop.set()
         flipper.join()
+    # The race was really run: the link pointed at each target while the calls were made.
+    assert flips_during_calls >= MIN_FLIPS, flips_during_calls
     assert tree.key.read_bytes() == key_before
     assert sorted(os.listdir(tree.home / ".ssh")) == ssh_before
     assert sum(outcomes.values()) == SWAP_ITERATIONS
