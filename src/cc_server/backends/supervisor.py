@@ -283,18 +283,26 @@ class _Handle(ctypes.c_void_p):
 
 @functools.cache
 def _library(path: str) -> ctypes.CDLL:
+    """The supervisor library with its functions typed.
+
+    Raises:
+        OSError: it cannot be loaded or lacks one of the functions (a library of another build).
+    """
     lib = ctypes.CDLL(path)
-    lib.ccs_abi_version.restype = ctypes.c_int
-    lib.ccs_abi_version.argtypes = []
-    lib.ccs_start.restype = _Handle
-    lib.ccs_start.argtypes = [
-        ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-        ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t,
-    ]  # fmt: skip
-    lib.ccs_stop.restype = None
-    lib.ccs_stop.argtypes = [_Handle]
-    lib.ccs_stats.restype = None
-    lib.ccs_stats.argtypes = [_Handle, ctypes.POINTER(ctypes.c_ulonglong * _NSTATS)]
+    try:
+        lib.ccs_abi_version.restype = ctypes.c_int
+        lib.ccs_abi_version.argtypes = []
+        lib.ccs_start.restype = _Handle
+        lib.ccs_start.argtypes = [
+            ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+            ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t,
+        ]  # fmt: skip
+        lib.ccs_stop.restype = None
+        lib.ccs_stop.argtypes = [_Handle]
+        lib.ccs_stats.restype = None
+        lib.ccs_stats.argtypes = [_Handle, ctypes.POINTER(ctypes.c_ulonglong * _NSTATS)]
+    except AttributeError as exc:  # ctypes names the missing function
+        raise OSError(f"not the library this cc-server was built with: {exc}") from exc
     return lib
 
 

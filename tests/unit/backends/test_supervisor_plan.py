@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -304,6 +306,38 @@ def test_the_check_reports_a_failing_selftest(tmp_path: Path) -> None:
     assert result.hint == (
         "this kernel cannot run the create-rule supervisor: the kernel refused WAIT_KILLABLE_RECV"
     )
+
+
+@pytest.mark.parametrize(
+    ("source", "hint"),
+    [
+        # A library of an older build: the version answers, a later function is missing.
+        (f"int ccs_abi_version(void) {{ return {sup.ABI_VERSION}; }}", "not the library"),
+        (
+            "int ccs_abi_version(void) { return 1; }\n"
+            "void ccs_start(void) {}\nvoid ccs_stop(void) {}\nvoid ccs_stats(void) {}",
+            f"has ABI 1, this cc-server needs {sup.ABI_VERSION}",
+        ),
+    ],
+)
+def test_a_library_of_another_build_is_unavailable_with_a_hint(
+    tmp_path: Path, source: str, hint: str
+) -> None:
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("needs gcc")
+    launcher = tmp_path / sup.LAUNCHER_NAME
+    launcher.write_text("#!/bin/sh\nexit 0\n")  # a kernel that passes the selftest
+    launcher.chmod(0o755)
+    (tmp_path / "lib.c").write_text(source + "\n")
+    library = tmp_path / sup.LIBRARY_NAME
+    subprocess.run(
+        [gcc, "-shared", "-fPIC", "-o", str(library), str(tmp_path / "lib.c")], check=True
+    )
+    result = check_create_rules(tmp_path)  # raises nothing
+    assert not result.available and result.library is None
+    assert result.hint is not None and hint in result.hint, result.hint
+    assert "scripts/bootstrap" in result.hint
 
 
 def test_the_built_supervisor_passes_its_check() -> None:
