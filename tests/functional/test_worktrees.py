@@ -205,6 +205,7 @@ def test_a_removal_whose_unmount_fails_can_be_retried(
         ("r", "../../etc", "not a valid id"),
         ("r", "", "not a valid id"),
         ("r", "c/1", "not a valid id"),
+        ("r", "c1\n", "not a valid id"),
         ("unknown", "c1", "no registered repository"),
     ],
 )

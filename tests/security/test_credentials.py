@@ -212,8 +212,9 @@ def test_a_bad_token_file_fails_the_grant_and_leaves_nothing(tmp_path: pathlib.P
 def test_run_ids_are_checked_and_grants_are_per_run(
     broker: CredentialBroker, token: str, tmp_path: pathlib.Path
 ) -> None:
-    with pytest.raises(BadSpec):
-        broker.grant(_spec(can_push=True), "../escape")
+    for bad in ("../escape", "run-1\n"):
+        with pytest.raises(BadSpec):
+            broker.grant(_spec(can_push=True), bad)
     first = broker.grant(_spec(can_push=True), "run-1")
     with pytest.raises(BadSpec, match="already holds"):
         broker.grant(_spec(can_push=True), "run-1")

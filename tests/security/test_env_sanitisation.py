@@ -74,8 +74,18 @@ def test_only_allowlisted_names_pass(source: dict[str, str]) -> None:
 @settings(max_examples=300)
 @given(secret_names())
 def test_an_added_secret_named_variable_is_refused(name: str) -> None:
-    if name.upper().startswith("GIT_CONFIG_KEY_"):
-        return  # git's config key slots hold a key name; their values are checked instead
+    with pytest.raises(EnvRefused):
+        sanitized_env({"PATH": "/bin"}, add={name: "x"})
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["GIT_CONFIG_KEY_0_TOKEN", "GIT_CONFIG_KEY_TOKEN", "GIT_CONFIG_KEY_", "git_config_key_0",
+     "GIT_CONFIG_KEY_0000", "X_GIT_CONFIG_KEY_0", "GIT_CONFIG_KEY_0\n"],
+)
+def test_only_gits_exact_key_slots_are_excepted(name: str) -> None:
+    """The one exception (git's GIT_CONFIG_KEY_<n>, which hold a key name) is not a prefix."""
+    assert sanitized_env({}, add={"GIT_CONFIG_KEY_0": "credential.helper"})
     with pytest.raises(EnvRefused):
         sanitized_env({"PATH": "/bin"}, add={name: "x"})
 
@@ -107,7 +117,7 @@ def test_ordinary_additions_pass() -> None:
     }
     out = sanitized_env(source, add=add)
     assert out == {"PATH": "/bin", **add}
-    for bad in ({"BAD NAME": "x"}, {"A": "nul\x00"}, {"1A": "x"}):
+    for bad in ({"BAD NAME": "x"}, {"A": "nul\x00"}, {"1A": "x"}, {"HTTP_PROXY\n": "x"}):
         with pytest.raises(EnvRefused):
             sanitized_env(source, add=bad)
 

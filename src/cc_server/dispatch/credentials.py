@@ -53,9 +53,9 @@ MAX_TOKEN_CHARS: Final = 4096  # far longer than any GitHub token
 LISTEN_BACKLOG: Final = 16
 GITHUB_USERNAME: Final = "x-access-token"  # what GitHub expects with a token as password
 DEFAULT_GITHUB_HOSTS: Final = ("github.com",)
-_GRANT_DIR = re.compile(r"^cred-(?P<pid>\d+)-[0-9a-f]{16}$")
-_RUN_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_TOKEN = re.compile(r"^[\x21-\x7e]+$")  # printable, no whitespace
+_GRANT_DIR = re.compile(r"^cred-(?P<pid>\d+)-[0-9a-f]{16}\Z")
+_RUN_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}\Z")
+_TOKEN = re.compile(r"^[\x21-\x7e]+\Z")  # printable, no whitespace
 
 # The helper: stdlib Python only, so it runs wherever the server's host Python is visible. It
 # forwards git's request for `get` and prints whatever the server answers; with the socket gone it

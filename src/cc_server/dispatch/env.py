@@ -83,8 +83,8 @@ SECRET_WORDS: Final = frozenset({"PAT", "PW", "PIN", "JWT", "DSN", "SAS", "OTP",
 # Names the caller may add although they contain a secret-like word: git's config-by-environment
 # key slots hold a config key name ("credential.helper"), never a secret. Their values are checked
 # like every other added value.
-_ADD_NAME_EXCEPTIONS: Final = re.compile(r"^GIT_CONFIG_KEY_[0-9]{1,3}$")
-_VALID_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_ADD_NAME_EXCEPTIONS: Final = re.compile(r"^GIT_CONFIG_KEY_[0-9]{1,3}\Z")
+_VALID_NAME: Final = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*\Z")
 MIN_SECRET_VALUE_CHARS: Final = 6  # shorter host values ("1", "yes") would match by accident
 
 

@@ -59,7 +59,7 @@ FICLONE: Final = 0x40049409  # _IOW(0x94, 9, int): share a file's extents with a
 MNT_DETACH: Final = 2  # umount2 flag: detach now, free when the last user goes
 GIT_TIMEOUT_S: Final = 120.0  # `git worktree add` of a large checkout
 MAX_ID_LENGTH: Final = 128  # ids name directories and travel in URLs
-_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 _META = "meta.json"
 # overlayfs splits its options at ',' and its lower dirs at ':'; '\\' escapes both. Refusing the
 # three keeps a checkout's path from ever becoming another mount option.
