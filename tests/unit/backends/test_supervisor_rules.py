@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 import pathlib
+import platform
+import shutil
+import signal
 import stat
 import subprocess
 import textwrap
@@ -363,6 +366,51 @@ def test_a_second_listener_cannot_be_installed(tmp_path: pathlib.Path) -> None:
     )
     result = py(code, str(tmp_path))
     assert result.stdout.splitlines() == ["-1 EPERM", "0"], result
+
+
+# creat(path, 0644) through another ABI: i386 `int $0x80` (creat is 8 there) or x32 (the
+# x86_64 number with bit 30). The path lives below 4 GiB so the 32-bit ABI can point at it.
+FOREIGN_CREAT_C = r"""
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    char *low = mmap(NULL, 4096, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_32BIT, -1, 0);
+    if (argc != 3 || low == MAP_FAILED)
+        return 2;
+    strncpy(low, argv[2], 4000);
+    long r;
+    if (strcmp(argv[1], "i386") == 0)
+        __asm__ volatile("int $0x80" : "=a"(r) : "a"(8L), "b"(low), "c"(0644L) : "memory");
+    else
+        r = syscall(0x40000000L | 85, low, 0644);
+    printf("%ld\n", r);
+    return 0;
+}
+"""
+
+
+@pytest.mark.parametrize("abi", ["i386", "x32"])
+def test_another_abi_cannot_create_a_matching_name(tmp_path: pathlib.Path, abi: str) -> None:
+    gcc = shutil.which("gcc")
+    if platform.machine() != "x86_64" or gcc is None:
+        pytest.skip("needs x86_64 and gcc")
+    (tmp_path / "creat.c").write_text(FOREIGN_CREAT_C)
+    program = tmp_path / "creat"
+    subprocess.run([gcc, "-O1", "-o", str(program), str(tmp_path / "creat.c")], check=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    # Control: without the filter this ABI creates the name on this kernel (else nothing to try).
+    native = subprocess.run([program, abi, "control.pem"], cwd=work, capture_output=True)
+    if not (work / "control.pem").exists():
+        pytest.skip(f"this kernel has no {abi} ABI ({native.stdout!r})")
+    result = run([str(program), abi, "x.pem"], str(work))
+    assert not (work / "x.pem").exists(), result
+    assert result.returncode == -signal.SIGSYS, result  # a foreign ABI kills (libseccomp)
 
 
 def test_openat2_and_io_uring_are_refused(tmp_path: pathlib.Path) -> None:
