@@ -13,9 +13,11 @@ import os
 import pathlib
 
 import pytest
-from microvm_kit import launch, manager
+from microvm_kit import alive, events_of, launch, manager, read_until
 from test_egress import ALLOWED, DENIED, LOOPBACK, FakeDns, open_upstream
 
+from cc_server.errors import BadSpec, EnforcementFailed
+from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import run_collect
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -97,6 +99,45 @@ async def test_read_only_and_protected_paths_hold(tmp_path: pathlib.Path) -> Non
         assert (work / "protected" / "file").read_text() == "original\n"
         assert not (home / ".git" / "hooks" / "pre-commit").exists()
         assert (work / "fine").read_text() == "ok\n"  # the rest of the bind stays writable
+    finally:
+        await m.aclose()
+
+
+async def test_a_protected_path_removed_during_a_suspend_ends_the_vm(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A suspend takes the mounts off, carve-outs first; a shell whose working directory is in
+    # the bind keeps it busy, so the suspend is refused and the carve-outs are put back. A
+    # command that removes the protected directory while it is off makes the put-back fail:
+    # the sandbox must end, not run on with the protected path writable through the bind.
+    work = tmp_path / "work"
+    (work / "protected").mkdir(parents=True)
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
+                              protectedPaths=[str(work / "protected")])
+        qemu_pid = handle.qemu_pid
+        assert qemu_pid is not None
+        async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
+            events = events_of(shell)
+            await shell.write_stdin(b"(echo loop-$((1+1)); "
+                                    b"while ! rmdir /work/protected 2>/dev/null; do :; done) &\n")
+            await read_until(events, "loop-2")
+            for _ in range(10):  # the loop wins the first window on TCG; a few more for KVM
+                with pytest.raises(EnforcementFailed):
+                    await handle.suspend()
+                if not (work / "protected").exists():
+                    break
+            assert not (work / "protected").exists(), "the removal never won the window"
+            if handle.state is not SandboxState.ERROR:  # the escape, had the VM run on
+                await shell.write_stdin(b"mkdir /work/protected; echo evil > /work/protected/x; "
+                                        b"echo done-$((1+1))\n")
+                await read_until(events, "done-2")
+        assert not (work / "protected" / "x").exists()
+        assert handle.state is SandboxState.ERROR
+        assert not alive(qemu_pid)
+        with pytest.raises(BadSpec):
+            handle.exec(["true"])
     finally:
         await m.aclose()
 

@@ -169,22 +169,43 @@ class MicroVMHandle(SandboxHandle):
         assert self._link is not None
         self._check_mounts(await self._link.request_many(self._mount_requests(steps)), steps)
 
+    async def _fail_closed(self, exc: BaseException) -> None:
+        """End the VM and move to `error`: its mounts are not known to be whole (a read-only or
+        hidden carve-out may be off while the bind under it is on)."""
+        await self._teardown()
+        self.fail(exc if isinstance(exc, CcServerError) else EnforcementFailed(
+            f"the microVM's mounts could not be put back: {exc!r}"))
+
+    async def _put_back_mounts(self, steps: tuple[GuestMount, ...] | None = None) -> None:
+        """Mount again what a suspend took off. A step the guest cannot take (a command
+        removed a carve-out's directory while it was off) fails the handle closed."""
+        try:
+            await self._apply_mounts(steps)
+        except BaseException as exc:
+            await self._fail_closed(exc)
+            raise
+
     async def _detach_mounts(self) -> None:
         """Unmount every step, last first (QEMU cannot save a VM with a 9p share mounted). A
         busy mount stays, and so does everything under it: the steps taken off are put back
-        and EnforcementFailed is raised, with the VM running as before."""
+        and EnforcementFailed is raised, with the VM running as before. When the steps cannot
+        all be accounted for or put back, the handle fails closed (see `_fail_closed`)."""
         assert self._link is not None and self.mount_plan is not None
         steps = tuple(reversed(self.mount_plan.steps))
-        replies = await self._link.request_many([
-            Request(FrameType.UNMOUNT, step.guest_path.encode() + b"\0", FrameType.RESULT)
-            for step in steps
-        ])
+        try:
+            replies = await self._link.request_many([
+                Request(FrameType.UNMOUNT, step.guest_path.encode() + b"\0", FrameType.RESULT)
+                for step in steps
+            ])
+        except BaseException as exc:
+            await self._fail_closed(exc)
+            raise
         codes = [struct.unpack_from("<i", reply.payload)[0] for reply in replies]
         # EINVAL: not a mount point (a hidden path that did not exist); nothing to take off.
         taken = tuple(s for s, c in zip(steps, codes, strict=True) if c == 0)
         busy = [s for s, c in zip(steps, codes, strict=True) if c not in (0, errno.EINVAL)]
         if busy:
-            await self._apply_mounts(tuple(reversed(taken)))
+            await self._put_back_mounts(tuple(reversed(taken)))
             raise EnforcementFailed(
                 f"the microVM cannot be suspended while {busy[0].guest_path} is in use "
                 f"({os.strerror(codes[steps.index(busy[0])])}): QEMU cannot save a VM with a "
@@ -201,7 +222,9 @@ class MicroVMHandle(SandboxHandle):
             BadSpec: the handle is not warm or active.
             EnforcementFailed: the VM could not be saved and keeps running, its mounts whole:
                 QEMU cannot save a VM with a 9p share mounted, so a process in it that holds a
-                file on a bind mount (its working directory included) prevents a suspend.
+                file on a bind mount (its working directory included) prevents a suspend. When
+                the mounts cannot be put back whole, the VM is ended and the handle is in
+                `error` instead.
         """
         await self.ready()
         async with self._lock:
@@ -211,8 +234,10 @@ class MicroVMHandle(SandboxHandle):
             await self._detach_mounts()
             try:
                 await self.pool.suspend(self._vm, self._run_dir / STATE_FILE)
-            except CcServerError as exc:
-                await self._apply_mounts()
+            except BaseException as exc:
+                await self._put_back_mounts()
+                if not isinstance(exc, CcServerError):
+                    raise
                 raise EnforcementFailed(
                     f"the microVM could not be suspended: {exc.message}",
                     fix="see QEMU's log in the VM's directory",
