@@ -273,3 +273,30 @@ async def test_a_killed_servers_worktrees_and_runs_are_recovered_at_the_next_boo
             assert (await http.delete(f"/v1/worktrees/{wt['worktreeId']}")).status == 204
     assert mounted_under(str(tmp_path)) == []
     assert (repo / "README.md").read_text() == "original readme\n"
+
+
+async def test_a_dispatch_that_fails_to_install_leaves_no_worktree_mounted(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    from cc_server.dispatch.worktrees import WorktreeManager, WorktreeStrategy
+    from cc_server.policy import HostFacts
+    from cc_server.runtime.port import SandboxManager
+    from cc_server.server.dispatch_api import install_dispatch
+
+    dispatch_dir = tmp_path / "dispatch"
+    dispatch_dir.mkdir(mode=0o700)
+    killed = WorktreeManager(base=str(dispatch_dir / "worktrees"))
+    if killed.strategy is not WorktreeStrategy.OVERLAY:
+        pytest.skip("only overlay worktrees are mounted")
+    killed.register("r", str(make_repo(tmp_path / "repo")))
+    wt = killed.create("r", "c1")
+    killed.close()  # as after a kill: the next start re-mounts it
+    (dispatch_dir / "runs").write_text("not a directory\n")  # the run state cannot be made
+    manager = SandboxManager(probe_result=probe_result, host=dataclasses.replace(
+        HostFacts.current(), home=str(tmp_path)))
+    with pytest.raises(OSError):
+        install_dispatch(web.Application(), manager,
+                         environ={"CC_SERVER_DISPATCH_DIR": str(dispatch_dir)})
+    assert mounted_under(str(tmp_path)) == []
+    assert pathlib.Path(wt.root).is_dir()  # the worktree itself is kept for the next start
+    await manager.aclose()

@@ -191,13 +191,17 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
     config = dataclasses.replace(config, server_private=tuple(server_private))
     remove_stale_grant_dirs(egress_base_dir())
     os.makedirs(os.path.dirname(worktree_dir), mode=0o700, exist_ok=True)
-    worktrees = WorktreeManager(base=worktree_dir)
-    service = DispatchService(
-        manager=manager, worktrees=worktrees,
-        broker=CredentialBroker(base_dir=egress_base_dir(), github_token_file=token_file),
-        config=config,
-        environ=environ,
-    )
+    worktrees = WorktreeManager(base=worktree_dir)  # re-mounts the overlays a killed server left
+    try:
+        service = DispatchService(
+            manager=manager, worktrees=worktrees,
+            broker=CredentialBroker(base_dir=egress_base_dir(), github_token_file=token_file),
+            config=config,
+            environ=environ,
+        )
+    except BaseException:
+        worktrees.close()  # a server that does not start leaves no mount
+        raise
     if worktrees.choice is not None:
         log_event("dispatch", worktrees.choice.describe(), strategy=str(worktrees.strategy))
     app[DISPATCH] = service
