@@ -219,12 +219,17 @@ class AdoptedListener:
     def __init__(self, sock: socket.socket, task: asyncio.Task[None]) -> None:
         self._sock = sock
         self._task = task
+        # The socket is closed once no accept is pending on it any more, however the task ends
+        # (this handle closed, the session closed, or a caller cancelled while closing).
+        task.add_done_callback(lambda _: sock.close())
 
     async def aclose(self) -> None:
-        """Stop accepting and close the socket; connections already accepted go on. Idempotent."""
+        """Stop accepting and close the socket; connections already accepted go on. Idempotent.
+
+        If the caller is cancelled while waiting, the closing still completes on the loop.
+        """
         self._task.cancel()
         await asyncio.wait([self._task])
-        self._sock.close()
 
 
 class SessionProxies:

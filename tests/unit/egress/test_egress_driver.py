@@ -792,6 +792,54 @@ async def test_aclose_right_after_start_frees_everything() -> None:
     assert _open_fds() <= before
 
 
+def loopback_listener() -> socket.socket:
+    """A listening loopback socket, like the one a sandbox's launcher hands over."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    return sock
+
+
+async def test_an_adopted_listener_is_served_until_closed_even_if_the_close_is_cancelled() -> None:
+    async with session() as s, upstream(echo) as port:
+        sock = loopback_listener()
+        where = sock.getsockname()[1]
+        adopted = await s.proxies.adopt(sock, "http", "sandbox loopback")
+        reader, writer, head = await http_connect(where, f"allowed.test:{port}")
+        try:
+            assert head == b"HTTP/1.1 200 Connection established\r\n\r\n"
+            closing = asyncio.get_running_loop().create_task(adopted.aclose(), name="close")
+            await asyncio.sleep(0)  # aclose waits for the accept task to end
+            closing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+            await wait_for(lambda: sock.fileno() == -1)  # closed all the same
+            writer.write(b"a")  # the connection already accepted goes on
+            assert await reader.readexactly(1) == b"a"
+        finally:
+            await close(writer)
+        with pytest.raises(ConnectionRefusedError):
+            await asyncio.open_connection("127.0.0.1", where)
+        await adopted.aclose()  # twice is fine
+
+
+async def test_adopting_after_the_session_closed_refuses_and_closes_the_socket() -> None:
+    async with session() as s:
+        adopted = await s.proxies.adopt(loopback_listener(), "socks5", "sandbox loopback")
+    await adopted.aclose()  # after the session: nothing left to do, and no error
+    late = loopback_listener()
+    with pytest.raises(EnforcementFailed, match="closed"):
+        await s.proxies.adopt(late, "http", "sandbox loopback")
+    assert late.fileno() == -1
+
+
+async def test_closing_the_session_closes_what_it_adopted() -> None:
+    async with session() as s:
+        sock = loopback_listener()
+        await s.proxies.adopt(sock, "http", "sandbox loopback")
+    assert sock.fileno() == -1
+
+
 async def test_unix_socket_listeners_serve_both_proxies(tmp_path: Path) -> None:
     directory = tmp_path / "bridge"
     directory.mkdir(mode=0o700)
