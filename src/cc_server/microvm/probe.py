@@ -22,6 +22,7 @@ from cc_server.errors import BackendUnavailable, CcServerError
 from cc_server.microvm.image import GuestImage, ensure_image, prune_cache, stderr_progress
 from cc_server.microvm.pool import VmPool
 from cc_server.microvm.vm import MachineConfig
+from cc_server.runtime.select import microvm_unavailable
 
 __all__ = [
     "KVM_BOOT_TIMEOUT_S",
@@ -87,10 +88,7 @@ class MicroVMProbe:
 
     def unavailable_error(self) -> BackendUnavailable:
         """The loud failure of an explicit `microvm` request on this host."""
-        return BackendUnavailable(
-            f"backend 'microvm' was requested but this host cannot boot a microVM: {self.reason}",
-            fix=self.fix or "request 'native' or leave the backend unspecified",
-        )
+        return microvm_unavailable(self)
 
 
 def decide(facts: MicroVMFacts) -> MicroVMProbe:

@@ -31,7 +31,7 @@ from cc_server.runtime.egress import SessionEgress, egress_base_dir, remove_stal
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.seatbelt_monitor import SeatbeltMonitor
-from cc_server.runtime.select import choose_backend, planner_for
+from cc_server.runtime.select import choose_backend, microvm_unavailable, planner_for
 
 if TYPE_CHECKING:
     from cc_server.microvm.handle import MicroVMHandle
@@ -219,8 +219,7 @@ class MicroVMSandboxAdapter:
         from cc_server.egress.patterns import Allowlist
 
         if self.runtime is None or not self.runtime.available:
-            probe = self.runtime.probe if self.runtime is not None else None
-            raise choose_error(probe)
+            raise microvm_unavailable(self.runtime.probe if self.runtime is not None else None)
         if policy.requires_create_rules:
             raise BackendUnavailable(
                 "the policy forbids creating files by name (create-time globs), which the "
@@ -240,19 +239,6 @@ class MicroVMSandboxAdapter:
         return self.runtime.launch(
             policy, allowlist=allowlist, suggest=suggest, resolver=self.egress_resolver
         )
-
-
-def choose_error(probe: object) -> BackendUnavailable:
-    """The loud failure of an explicit `microvm` request here."""
-    from cc_server.microvm.probe import MicroVMProbe
-
-    if isinstance(probe, MicroVMProbe):
-        return probe.unavailable_error()
-    try:
-        choose_backend(_NO_PROBE, SandboxBackend.MICROVM, sandbox_on=True)
-    except BackendUnavailable as exc:
-        return exc
-    raise AssertionError("unreachable")  # pragma: no cover
 
 
 @dataclass

@@ -28,7 +28,7 @@ from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import HostFacts, Platform, SandboxBackend
 
-__all__ = ["MicroVMVerdict", "choose_backend", "planner_for"]
+__all__ = ["MicroVMVerdict", "choose_backend", "microvm_unavailable", "planner_for"]
 
 log = logging.getLogger("cc_server.runtime")
 
@@ -46,7 +46,8 @@ class MicroVMVerdict(Protocol):
     def fix(self) -> str | None: ...
 
 
-def _microvm_unavailable(microvm: MicroVMVerdict | None) -> BackendUnavailable:
+def microvm_unavailable(microvm: MicroVMVerdict | None) -> BackendUnavailable:
+    """The loud failure of an explicit `microvm` request; `None`: the runtime was not probed."""
     if microvm is None:
         return BackendUnavailable(
             "backend 'microvm' was requested but this host cannot boot a microVM: the microVM "
@@ -97,7 +98,7 @@ def choose_backend(
             fix=probe_result.hint or "install the native sandbox tools",
         )
     if requested is SandboxBackend.MICROVM and not (microvm is not None and microvm.available):
-        raise _microvm_unavailable(microvm)
+        raise microvm_unavailable(microvm)
     return requested
 
 
