@@ -6,12 +6,19 @@ from __future__ import annotations
 import dataclasses
 import pathlib
 import sys
+from types import SimpleNamespace
 
 import pytest
 from dispatch_kit import NPM_MODULES
 
 from cc_server.backends.probe import ProbeResult
-from cc_server.dispatch.acp import MAX_MESSAGE_BYTES, ExecutionTransport, permission_for
+from cc_server.dispatch.acp import (
+    MAX_MESSAGE_BYTES,
+    MAX_RECORDS,
+    CcAcpClient,
+    ExecutionTransport,
+    permission_for,
+)
 from cc_server.dispatch.harness import BoundedOutput, shell_argv
 from cc_server.errors import BadSpec
 from cc_server.policy import HostFacts, Mode, SandboxBackend, SandboxSpec
@@ -75,6 +82,29 @@ def test_the_acp_permission_table_follows_the_modes_tool_surface(
 def test_fetch_is_allowed_only_when_the_network_is() -> None:
     assert permission_for(Mode.REVIEW, "fetch", network_allowed=True)[0] is True
     assert permission_for(Mode.CHAT, "fetch", network_allowed=False)[0] is False
+
+
+async def test_an_agent_asking_without_end_cannot_grow_what_a_run_records() -> None:
+    from acp import RequestError
+    from acp.schema import PermissionOption, ToolCallUpdate
+
+    class Refusing:
+        def read(self, path: str, **_: object) -> str:
+            raise BadSpec(f"{path} refused")
+
+    policy = SimpleNamespace(network_allowed=False)
+    run = SimpleNamespace(mode=Mode.CHAT, handle=SimpleNamespace(policy=policy), tools=Refusing())
+    client = CcAcpClient(run)  # type: ignore[arg-type]
+    options = [PermissionOption(option_id="yes", name="Allow", kind="allow_once")]
+    for i in range(MAX_RECORDS + 5):
+        await client.request_permission(
+            "s", ToolCallUpdate(tool_call_id=f"t{i}", kind="read", title="read"), options)
+        with pytest.raises(RequestError):
+            await client.read_text_file("s", f"f{i}")
+    assert len(client.permissions) == len(client.file_requests) == MAX_RECORDS
+    # The newest are kept.
+    assert client.permissions[-1]["toolCallId"] == f"t{MAX_RECORDS + 4}"
+    assert client.file_requests[-1]["path"] == f"f{MAX_RECORDS + 4}"
 
 
 def test_bounded_output_keeps_the_head_and_counts_the_rest() -> None:

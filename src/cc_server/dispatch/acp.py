@@ -60,6 +60,7 @@ from cc_server.runtime.handle import Execution
 __all__ = [
     "HANDSHAKE_TIMEOUT_S",
     "MAX_MESSAGE_BYTES",
+    "MAX_RECORDS",
     "AcpSession",
     "CcAcpClient",
     "ExecutionTransport",
@@ -71,6 +72,7 @@ log = logging.getLogger("cc_server.dispatch.acp")
 MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024  # one JSON-RPC line from the agent (a big file write)
 MAX_STDERR_BYTES: Final = 64 * 1024  # the agent's stderr tail kept for diagnostics
 MAX_UPDATES: Final = 1000  # session/update notifications kept per run
+MAX_RECORDS: Final = 1000  # file requests and permission decisions kept per run (the newest)
 HANDSHAKE_TIMEOUT_S: Final = 60.0  # initialize + session/new (a Node agent's start-up)
 REFUSED_CODE: Final = -32001  # JSON-RPC error code of a request the policy refused
 
@@ -187,8 +189,10 @@ class CcAcpClient:
     def __init__(self, run: DispatchRun) -> None:
         self.run = run
         self.updates: deque[dict[str, Any]] = deque(maxlen=MAX_UPDATES)
-        self.permissions: list[dict[str, Any]] = []  # every decision, for the API and the tests
-        self.file_requests: list[dict[str, Any]] = []
+        # The newest decisions and file requests, for the API and the tests: an agent that asks
+        # without end cannot grow the server.
+        self.permissions: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
+        self.file_requests: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
 
     # -- file system --
 
