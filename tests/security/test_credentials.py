@@ -19,6 +19,7 @@ import pytest
 from escape_kit import Sandboxes, wait_until
 
 from cc_server.dispatch.credentials import (
+    REQUEST_TIMEOUT_S,
     SOCKET_NAME,
     CredentialBroker,
     CredentialUnavailable,
@@ -117,6 +118,47 @@ def test_a_connection_kept_from_during_the_run_gets_nothing_after_revoke(
         except OSError:
             answer = b""
     assert token.encode() not in answer
+
+
+def test_a_client_dripping_its_request_cannot_hold_the_revoke(
+    broker: CredentialBroker, token: str
+) -> None:
+    """A process of the run that keeps the helper's socket busy (a byte at a time, never ending
+    its request) cannot stall revoke(), which the server calls on its event loop."""
+    import threading
+    import time
+
+    grant = broker.grant(_spec(can_push=True), "run-1")
+    assert grant.directory is not None
+    stop = threading.Event()
+    sent = [0]
+
+    def drip() -> None:
+        end = time.monotonic() + 3 * REQUEST_TIMEOUT_S  # a listener that waits fails, not hangs
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.connect(os.path.join(grant.directory, SOCKET_NAME))  # type: ignore[arg-type]
+            while not stop.wait(REQUEST_TIMEOUT_S / 10) and time.monotonic() < end:
+                try:
+                    s.sendall(b"p")
+                except OSError:
+                    return
+                sent[0] += 1
+
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    try:
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
+        while sent[0] < 3 and time.monotonic() < deadline:  # the listener is reading it
+            time.sleep(0.05)
+        assert sent[0] >= 3
+        start = time.monotonic()
+        broker.revoke("run-1")
+        took = time.monotonic() - start
+    finally:
+        stop.set()
+        dripper.join()
+    assert took < REQUEST_TIMEOUT_S / 2, took
+    assert not os.path.exists(grant.directory)
 
 
 def test_the_helper_answers_only_github_over_https(

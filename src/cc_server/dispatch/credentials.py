@@ -30,6 +30,7 @@ import socket
 import stat
 import struct
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -48,7 +49,8 @@ HELPER_NAME: Final = "git-credential-cc"
 SOCKET_NAME: Final = "s"  # short: a unix socket path is limited to 107 bytes
 GRANT_DIR_PREFIX: Final = "cred-"
 MAX_REQUEST_BYTES: Final = 64 * 1024  # a git credential request is a few short lines
-REQUEST_TIMEOUT_S: Final = 5.0  # one helper exchange; git waits on it
+REQUEST_TIMEOUT_S: Final = 5.0  # one helper exchange, whole; git waits on it
+REVOKE_POLL_S: Final = 0.1  # how often a request being read looks for a revoke (close() joins)
 MAX_TOKEN_CHARS: Final = 4096  # far longer than any GitHub token
 LISTEN_BACKLOG: Final = 16
 GITHUB_USERNAME: Final = "x-access-token"  # what GitHub expects with a token as password
@@ -155,15 +157,24 @@ class _Listener:
 
     def _handle(self, conn: socket.socket) -> None:
         conn.setblocking(True)
-        conn.settimeout(REQUEST_TIMEOUT_S)
         if hasattr(socket, "SO_PEERCRED"):
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             _, uid, _ = struct.unpack("3i", creds)
             if uid != os.geteuid():
                 return  # only this user's processes (the directory is 0700 as well)
+        # The whole request within REQUEST_TIMEOUT_S, and a revoke seen within REVOKE_POLL_S: a
+        # client that stalls or drips cannot hold this thread, nor close() that joins it.
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
         data = b""
         while len(data) <= MAX_REQUEST_BYTES:
-            chunk = conn.recv(4096)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or self._revoked.is_set():
+                return
+            conn.settimeout(min(remaining, REVOKE_POLL_S))
+            try:
+                chunk = conn.recv(4096)
+            except TimeoutError:
+                continue
             if not chunk:
                 break
             data += chunk
@@ -171,6 +182,7 @@ class _Listener:
             return
         reply = self._answer(_parse_request(data))
         if reply and not self._revoked.is_set():
+            conn.settimeout(max(deadline - time.monotonic(), REVOKE_POLL_S))
             conn.sendall(reply)
 
     def close(self) -> None:
