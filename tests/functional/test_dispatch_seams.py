@@ -252,3 +252,23 @@ async def test_linux_native_dispatch_runs_with_create_rules_and_fails_closed_wit
             await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.HARNESS)
         assert d.service.runs == {} and d.manager.handles == {}
         assert list((tmp_path / "without" / "runs").iterdir()) == []
+
+
+async def test_a_run_whose_agent_fails_to_close_still_loses_its_terminals_and_sandbox(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    class Stuck:
+        async def aclose(self) -> None:
+            raise RuntimeError("the agent's connection would not close")
+
+    async with open_dispatch(tmp_path, probe_result) as d:
+        wt = d.worktrees.create("r", "c1")
+        run = await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.HARNESS)
+        terminal = await run.harness.start(["sleep", "600"])
+        run.acp = Stuck()
+        with pytest.raises(RuntimeError, match="would not close"):
+            await d.service.close_run(run.run_id)
+        assert terminal.done and run.harness.terminals == {}
+        assert run.handle.state.value == "destroyed"
+        assert d.service.runs == {} and d.manager.handles == {}
+        assert list((tmp_path / "runs").iterdir()) == []

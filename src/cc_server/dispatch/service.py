@@ -362,9 +362,11 @@ class DispatchService:
         try:
             if run.acp is not None:
                 await run.acp.aclose()
-            await run.harness.aclose()
         finally:
-            await self._release(run_id, run.state_dir)
+            try:
+                await run.harness.aclose()
+            finally:
+                await self._release(run_id, run.state_dir)
         return True
 
     async def aclose(self) -> None:
