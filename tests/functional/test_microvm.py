@@ -20,7 +20,7 @@ import pytest
 from microvm_kit import alive, events_of, launch, manager, read_until, shared_runtime, unique
 from server_kit import host_pids_with, kill_marked, running_server, wait_until_gone
 
-from cc_server.errors import BackendUnavailable, EnforcementFailed
+from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
 from cc_server.microvm.handle import STATE_FILE
 from cc_server.microvm.image import default_cache_dir
 from cc_server.microvm.pool import VmPool
@@ -358,6 +358,38 @@ async def test_suspend_refused_while_a_bind_is_in_use(tmp_path: pathlib.Path) ->
         assert not (work / "protected" / "x").exists()
         listing = await run_collect(handle, ["ls", "/work"])
         assert listing.stdout == b"here\nprotected\n"
+    finally:
+        await m.aclose()
+
+
+async def test_mounts_that_cannot_be_put_back_end_the_vm(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A refused suspend puts the carve-outs back; when the guest cannot take one (a command
+    # removed its directory), the VM must not run on with the bind on and the carve-out off.
+    work = tmp_path / "work"
+    (work / "protected").mkdir(parents=True)
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
+                              protectedPaths=[str(work / "protected")])
+        qemu_pid = handle.qemu_pid
+        assert qemu_pid is not None
+
+        async def refused(steps: object = None) -> None:
+            raise EnforcementFailed("the guest could not mount /work/protected")
+
+        async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
+            events = events_of(shell)
+            await shell.write_stdin(b"echo in-$((1+1))\n")
+            await read_until(events, "in-2")
+            monkeypatch.setattr(handle, "_apply_mounts", refused)
+            with pytest.raises(EnforcementFailed, match="could not mount"):
+                await handle.suspend()
+        assert handle.state is SandboxState.ERROR
+        assert not alive(qemu_pid)
+        with pytest.raises(BadSpec):
+            handle.exec(["true"])
     finally:
         await m.aclose()
 

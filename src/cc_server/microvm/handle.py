@@ -185,6 +185,32 @@ class MicroVMHandle(SandboxHandle):
             await self._fail_closed(exc)
             raise
 
+    async def _set_frozen(self, frozen: bool) -> None:
+        """Freeze (or thaw) every command in the guest: frozen, none runs while a suspend has
+        a carve-out off and the bind under it on.
+
+        Raises:
+            EnforcementFailed: the guest could not (the handle fails closed on a thaw).
+        """
+        assert self._link is not None
+        kind = FrameType.FREEZE if frozen else FrameType.THAW
+        try:
+            reply = (await self._link.request_many([Request(kind, b"", FrameType.RESULT)]))[0]
+            code = struct.unpack_from("<i", reply.payload)[0]
+            if code != 0:
+                raise EnforcementFailed(
+                    f"the guest could not {'freeze' if frozen else 'thaw'} its commands: "
+                    f"{os.strerror(code)}",
+                    fix="retry the suspend; see the VM's console log",
+                )
+        except BaseException as exc:
+            if frozen:  # nothing is off yet: whatever froze runs again
+                with contextlib.suppress(CcServerError):
+                    await self._link.request_many([Request(FrameType.THAW, b"", FrameType.RESULT)])
+            else:
+                await self._fail_closed(exc)
+            raise
+
     async def _detach_mounts(self) -> None:
         """Unmount every step, last first (QEMU cannot save a VM with a 9p share mounted). A
         busy mount stays, and so does everything under it: the steps taken off are put back
@@ -231,17 +257,23 @@ class MicroVMHandle(SandboxHandle):
             if self.state not in (SandboxState.WARM, SandboxState.ACTIVE):
                 raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; cannot suspend")
             assert self._vm is not None and self._run_dir is not None and self.pool is not None
-            await self._detach_mounts()
+            await self._set_frozen(True)  # thawed by resume, after the mounts are back
             try:
-                await self.pool.suspend(self._vm, self._run_dir / STATE_FILE)
-            except BaseException as exc:
-                await self._put_back_mounts()
-                if not isinstance(exc, CcServerError):
-                    raise
-                raise EnforcementFailed(
-                    f"the microVM could not be suspended: {exc.message}",
-                    fix="see QEMU's log in the VM's directory",
-                ) from exc
+                await self._detach_mounts()
+                try:
+                    await self.pool.suspend(self._vm, self._run_dir / STATE_FILE)
+                except BaseException as exc:
+                    await self._put_back_mounts()
+                    if not isinstance(exc, CcServerError):
+                        raise
+                    raise EnforcementFailed(
+                        f"the microVM could not be suspended: {exc.message}",
+                        fix="see QEMU's log in the VM's directory",
+                    ) from exc
+            except BaseException:
+                if self._vm is not None:  # not failed closed: the mounts are whole again
+                    await self._set_frozen(False)
+                raise
             self._vm = None
             self.details.pop("qemuPid", None)
             if self.state is SandboxState.ACTIVE:
@@ -263,9 +295,12 @@ class MicroVMHandle(SandboxHandle):
             try:
                 self._vm, replies = await self.pool.resume(
                     self._run_dir, self.mount_plan.shares, self._link, state,
-                    self._mount_requests(),
+                    [*self._mount_requests(), Request(FrameType.THAW, b"", FrameType.RESULT)],
                 )
-                self._check_mounts(replies)
+                self._check_mounts(replies[:-1])
+                if (code := struct.unpack_from("<i", replies[-1].payload)[0]) != 0:
+                    raise EnforcementFailed(
+                        f"the guest could not thaw its commands: {os.strerror(code)}")
             except CcServerError as exc:
                 await self._teardown()
                 self.fail(exc)

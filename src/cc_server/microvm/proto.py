@@ -51,6 +51,8 @@ class FrameType(enum.IntEnum):
     PING = 16
     PONG = 17
     UNMOUNT = 18  # host: detach a mount (before a suspend)
+    FREEZE = 19  # host: stop every command in the kernel (while a suspend has mounts off)
+    THAW = 20  # host: let them run again
 
 
 class ExecFlags(enum.IntFlag):

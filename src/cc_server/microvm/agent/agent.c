@@ -46,11 +46,13 @@
 #define DRAIN_AFTER_EXIT_MS 2000 /* how long a descendant may hold a command's output open */
 #define HTTP_PROXY_PORT 3128
 #define SOCKS_PROXY_PORT 1080
+#define FREEZE_WAIT_MS 2000 /* every command stopped in the kernel: milliseconds normally */
 
 enum {
     F_HELLO = 1, F_HELLO_OK = 2, F_EXEC = 3, F_STARTED = 4, F_STDOUT = 5, F_STDERR = 6,
     F_EXIT = 7, F_DATA = 8, F_EOF = 9, F_SIGNAL = 10, F_WINSIZE = 11, F_MOUNT = 12,
     F_RESULT = 13, F_NET_OPEN = 14, F_ABORT = 15, F_PING = 16, F_PONG = 17, F_UNMOUNT = 18,
+    F_FREEZE = 19, F_THAW = 20,
 };
 enum { EXEC_PTY = 1, EXEC_STDIN = 2 };
 enum { MOUNT_9P = 0, MOUNT_RO_BIND = 1, MOUNT_HIDE = 2 };
@@ -212,6 +214,61 @@ static void child_fail(int fd, const char *what, const char *arg) {
     _exit(what[0] == 'e' && errno == ENOENT ? 127 : 126);
 }
 
+/* ---- the commands' cgroup: frozen while a suspend takes the mounts off ------------------ */
+
+/* The commands' cgroup (v2), reachable only through this descriptor: its cgroupfs mount is
+   detached at start, and commands (no CAP_SYS_ADMIN) cannot mount one to leave or thaw it. */
+static int cg_cmds = -1;
+
+static void setup_cgroup(void) {
+    const char *mnt = "/run/cc-cgroup";
+    if (mkdir(mnt, 0700) != 0 && errno != EEXIST) { logmsg("cgroup dir: %s", strerror(errno)); return; }
+    if (mount("cgroup2", mnt, "cgroup2", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) != 0) {
+        logmsg("cgroup2: %s", strerror(errno));
+        rmdir(mnt);
+        return;
+    }
+    if (mkdir("/run/cc-cgroup/cmds", 0755) != 0 && errno != EEXIST)
+        logmsg("cgroup cmds: %s", strerror(errno));
+    cg_cmds = open("/run/cc-cgroup/cmds", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    umount2(mnt, MNT_DETACH);
+    rmdir(mnt);
+}
+
+static int cg_write(const char *file, const char *value) {
+    int fd = openat(cg_cmds, file, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    ssize_t n = write(fd, value, strlen(value));
+    int saved = errno;
+    close(fd);
+    errno = saved;
+    return n == (ssize_t)strlen(value) ? 0 : -1;
+}
+
+static int set_frozen(int frozen) {
+    if (cg_cmds < 0) { errno = ENOSYS; return -1; }
+    if (cg_write("cgroup.freeze", frozen ? "1" : "0") != 0) return -1;
+    for (int waited = 0; frozen && waited < FREEZE_WAIT_MS; waited++) {
+        char events[256];
+        int fd = openat(cg_cmds, "cgroup.events", O_RDONLY | O_CLOEXEC);
+        if (fd < 0) return -1;
+        ssize_t n = read(fd, events, sizeof events - 1);
+        close(fd);
+        if (n < 0) return -1;
+        events[n] = 0;
+        if (strstr(events, "frozen 1")) return 0;
+        usleep(1000);
+    }
+    if (!frozen) return 0;
+    errno = ETIMEDOUT;
+    return -1;
+}
+
+static void do_freeze(uint32_t id, int frozen) {
+    int rc = set_frozen(frozen);
+    send_result(id, rc == 0 ? 0 : errno, rc == 0 ? "ok" : strerror(errno));
+}
+
 static void do_exec(uint32_t id, const unsigned char *p, size_t len) {
     if (len < 12 || find(id)) { send_result(id, EINVAL, "bad exec frame"); return; }
     uint32_t flags = get32(p);
@@ -274,6 +331,12 @@ static void do_exec(uint32_t id, const unsigned char *p, size_t len) {
             dup2(err[1], 2);
             efd = 2;
         }
+        /* Into the freezable group before anything of the command runs; a command outside it
+           could run while a suspend has the carve-outs off. */
+        char self[16];
+        snprintf(self, sizeof self, "%d", (int)getpid());
+        if (cg_cmds < 0) errno = ENOSYS;
+        if (cg_cmds < 0 || cg_write("cgroup.procs", self) != 0) child_fail(efd, "join", "cgroup");
         if (drop_caps() != 0) child_fail(efd, "drop", "capabilities");
         if (cwd[0] && chdir(cwd) != 0) child_fail(efd, "chdir", cwd);
         environ = envp;
@@ -486,6 +549,8 @@ static void handle_frame(uint32_t id, int type, const unsigned char *p, size_t l
     case F_EXEC: do_exec(id, p, len); break;
     case F_MOUNT: do_mount(id, p, len); break;
     case F_UNMOUNT: do_unmount(id, p, len); break;
+    case F_FREEZE: do_freeze(id, 1); break;
+    case F_THAW: do_freeze(id, 0); break;
     case F_DATA:
         if ((c = find(id)) && (c->kind == K_NET || c->in >= 0)) {
             buf_add(&c->pending, p, len);
@@ -540,6 +605,7 @@ int main(int argc, char **argv) {
     sigprocmask(SIG_BLOCK, &mask, NULL);
     sigdelset(&mask, SIGPIPE);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    setup_cgroup();
     listen_http = listen_on(HTTP_PROXY_PORT);
     listen_socks = listen_on(SOCKS_PROXY_PORT);
 
