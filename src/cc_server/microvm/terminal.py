@@ -16,13 +16,18 @@ from cc_server.errors import BadSpec, CcServerError
 from cc_server.microvm.handle import MicroVMHandle, VmExecution
 from cc_server.policy import SandboxBackend
 from cc_server.runtime.events import EventType
+from cc_server.terminal.session import MAX_WINDOW
 
 __all__ = ["GUEST_SHELL", "VmTerminalSession", "open_vm_terminal"]
 
 GUEST_SHELL: Final = "/bin/sh"  # busybox ash: the guest's only shell
-MAX_WINDOW: Final = 10_000  # as terminal.session.MAX_WINDOW
 EXIT_WAIT_S: Final = 5.0
 _DROPPED = (CcServerError, OSError)  # input or a resize for a VM that is gone: dropped
+
+
+def _check_window(rows: int, cols: int) -> None:
+    if not (1 <= rows <= MAX_WINDOW and 1 <= cols <= MAX_WINDOW):
+        raise BadSpec(f"window size {rows}x{cols} is outside 1..{MAX_WINDOW}")
 
 
 class VmTerminalSession:
@@ -86,8 +91,7 @@ class VmTerminalSession:
         Raises:
             BadSpec: rows or cols outside 1..MAX_WINDOW.
         """
-        if not (1 <= rows <= MAX_WINDOW and 1 <= cols <= MAX_WINDOW):
-            raise BadSpec(f"window size {rows}x{cols} is outside 1..{MAX_WINDOW}")
+        _check_window(rows, cols)
         if not self._closed:
             with contextlib.suppress(*_DROPPED):
                 self._execution.set_window(rows, cols)
@@ -133,8 +137,7 @@ async def open_vm_terminal(
         BadSpec: the window size is out of range.
         CcServerError: the VM did not start or the shell could not run.
     """
-    if not (1 <= rows <= MAX_WINDOW and 1 <= cols <= MAX_WINDOW):
-        raise BadSpec(f"window size {rows}x{cols} is outside 1..{MAX_WINDOW}")
+    _check_window(rows, cols)
     execution = handle.exec([GUEST_SHELL, "-l"], env={**env, "SHELL": GUEST_SHELL}, cwd=cwd,
                             pty=(rows, cols))
     await execution.__aenter__()
