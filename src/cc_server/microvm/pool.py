@@ -197,13 +197,13 @@ class VmPool:
         self.empty_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
         self._remove_dead_builds()
         work = self.template_dir.with_name(self.template_dir.name + f".build-{os.getpid()}")
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir(parents=True, mode=0o700)
         # The boot's sockets and logs live in a VM directory like a session's: a Unix socket
         # path must fit in 108 bytes (the cache directory may be deep), and the next boot kills
         # the QEMU of a server killed mid-build and removes the directory (remove_stale_vm_dirs).
         run = private_dir(self.run_base or egress_base_dir(), VM_DIR_PREFIX)
         try:
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir(parents=True, mode=0o700)
             ram = work / "ram.img"
             with open(ram, "wb") as f:
                 f.truncate(self.config.memory_mib << 20)
