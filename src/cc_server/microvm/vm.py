@@ -269,8 +269,15 @@ class QmpClient:
         `getfd`.
 
         Raises:
-            QmpError: QEMU answered with an error or went away.
+            QmpError: QEMU answered with an error, went away, or did not answer in time.
         """
+        try:
+            return await self._execute(command, arguments, fd)
+        except TimeoutError as exc:
+            raise QmpError(f"QMP {command}: no answer in {QMP_COMMAND_TIMEOUT_S} s") from exc
+
+    async def _execute(self, command: str, arguments: dict[str, Any] | None,
+                       fd: int | None) -> Any:
         message: dict[str, Any] = {"execute": command}
         if arguments:
             message["arguments"] = arguments
@@ -388,15 +395,18 @@ class Qemu:
         )
         await self.execute("getfd", {"fdname": "migration-out"}, fd=fd)
         await self.execute("migrate", {"uri": "fd:migration-out"})
-        async with asyncio.timeout(QMP_COMMAND_TIMEOUT_S):
-            while True:
-                info = await self.execute("query-migrate")
-                status = info.get("status")
-                if status == "completed":
-                    return
-                if status in ("failed", "cancelled"):
-                    raise QmpError(f"saving the VM failed: {info.get('error-desc', status)}")
-                await asyncio.sleep(0.002)
+        try:
+            async with asyncio.timeout(QMP_COMMAND_TIMEOUT_S):
+                while True:
+                    info = await self.execute("query-migrate")
+                    status = info.get("status")
+                    if status == "completed":
+                        return
+                    if status in ("failed", "cancelled"):
+                        raise QmpError(f"saving the VM failed: {info.get('error-desc', status)}")
+                    await asyncio.sleep(0.002)
+        except TimeoutError as exc:
+            raise QmpError(f"saving the VM took over {QMP_COMMAND_TIMEOUT_S} s") from exc
 
     async def migrate_from(self, fd: int, *, ignore_shared: bool) -> None:
         """Load a state file into a QEMU started with `-incoming defer`; it ends `paused`.

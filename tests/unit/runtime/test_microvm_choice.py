@@ -8,10 +8,12 @@ import dataclasses
 import logging
 import os
 import pathlib
+import socket
 import time
 
 import pytest
 
+import cc_server.microvm.vm as vm_module
 from cc_server.backends.probe import ProbeResult
 from cc_server.errors import BackendUnavailable, BadSpec
 from cc_server.microvm.image import (
@@ -231,3 +233,20 @@ def test_confined_argv_shows_qemu_only_its_files() -> None:
     assert "--bind /w/rw /w/rw" in text and "--ro-bind /w/ro /w/ro" in text
     assert "/dev/kvm" not in text and "--share-net" not in text and "/home" not in text
     assert argv[argv.index("--"):] == ("--", "/usr/bin/qemu-system-x86_64", "-name", "/r/vm")
+
+
+async def test_a_qmp_command_without_an_answer_is_a_qmp_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A QEMU that stops answering is an EnforcementFailed the caller handles (the suspend puts
+    # the mounts back), not a bare TimeoutError.
+    monkeypatch.setattr(vm_module, "QMP_COMMAND_TIMEOUT_S", 0.05)
+    ours, qemu = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    ours.setblocking(False)
+    client = vm_module.QmpClient(ours)
+    try:
+        with pytest.raises(vm_module.QmpError, match="no answer"):
+            await client.execute("query-status")
+    finally:
+        client.close()
+        qemu.close()
