@@ -5,9 +5,12 @@ Prints the median wall time of:
   bare      /bin/true as a plain child process
   bwrap     raw bwrap with the same namespaces cc-server uses, running /bin/true
   nobridge  the same bwrap plan cc-server builds, without the egress bridge, run directly
-  library   cc-server native exec of /bin/true through the library API (warm process), which
-            includes the egress handoff (the launcher's loopback listeners given to the session's
-            proxies) every native exec gets
+  library   cc-server native exec of /bin/true through the library API (warm process) in a
+            session that has run a command before: the plan is made and checked again, and the
+            command goes to the session's sandbox (its launcher starts it)
+  first     the first exec of a new session through the library API: launch, exec, destroy;
+            this starts the session's sandbox (bwrap, the egress handoff to the session's
+            proxies) and closes it
   cli       `cc-server run -- /bin/true` as a new process: the thin client, served by the user's
             CLI daemon (started by the warm-up run, stopped at the end)
   cli-inproc  the same with CC_SERVER_DAEMON=off: everything in the new process
@@ -78,6 +81,17 @@ def main() -> int:
             result = loop.run_until_complete(run_collect(handle, ["/bin/true"]))
             assert result.exit_code == 0, result
 
+        sessions = iter(range(1_000_000))
+
+        def first() -> None:
+            fresh = manager.launch(
+                parse_spec({"sessionId": f"first-{next(sessions)}", "workspaceId": "bench",
+                            "bindMounts": [{"hostPath": work}]})
+            )
+            result = loop.run_until_complete(run_collect(fresh, ["/bin/true"]))
+            loop.run_until_complete(manager.destroy(fresh.session_id))
+            assert result.exit_code == 0, result
+
         plain = handle.plan(Command(argv=("/bin/true",)))
         cli_bin = os.path.join(os.path.dirname(sys.executable), "cc-server")
         try:
@@ -87,6 +101,7 @@ def main() -> int:
                     "bwrap": lambda: subprocess.run(raw, check=True),
                     "nobridge": lambda: run_attached(plain),
                     "library": library,
+                    "first": first,
                     "cli": lambda: subprocess.run(
                         [cli_bin, "run", "--bind", work, "--", "/bin/true"], check=True
                     ),

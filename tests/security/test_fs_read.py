@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 from escape_kit import Sandboxes, output, unique
 
+from cc_server.runtime.session_sandbox import MAX_REQUEST_BYTES
+
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
 CONTROL = "worktree control file"
@@ -53,7 +55,7 @@ async def test_symlink_in_worktree_to_secret_is_not_followed_to_the_host(sb: San
     assert "No such file" in text, text
 
 
-@pytest.mark.parametrize("proc_root", ["/proc/self/root", "/proc/1/root", "/proc/$$/root"])
+@pytest.mark.parametrize("proc_root", ["/proc/self/root", "/proc/$$/root"])
 async def test_secret_is_not_readable_through_proc_root(sb: Sandboxes, proc_root: str) -> None:
     result = await sb.run(
         f"""
@@ -69,17 +71,38 @@ async def test_secret_is_not_readable_through_proc_root(sb: Sandboxes, proc_root
 
 
 async def test_pid_1_is_inside_the_sandbox(sb: Sandboxes) -> None:
-    # /proc/1/root is only harmless if PID 1 is the sandbox's own init, not the host's.
+    # /proc/1/root is only harmless if PID 1 is the sandbox's own init, not the host's. Here it
+    # is the launcher serving the session's commands, which no command may even look into.
     marker = unique("inside-file")
     (sb.worktree / "inside").write_text(marker)
     result = await sb.run(
-        "cat /proc/1/root/etc/hostname /proc/sys/kernel/hostname; "
-        f"cat /proc/1/root{sb.worktree}/inside; echo; ls /proc/1/root/"
+        "cat /proc/sys/kernel/hostname; tr '\\0' ' ' </proc/1/cmdline; echo; "
+        f"cat {sb.worktree}/inside; echo; "
+        f"cat /proc/1/root{sb.worktree}/inside; ls /proc/1/root/; cat /proc/1/root{sb.ssh_key}"
+    )
+    text = output(result)
+    assert marker in text, text  # control: the file is readable by its own path
+    assert "cc-sandbox" in text, text
+    assert "/run/cc-create/launcher --egress" in text and "--serve" in text, text
+    assert text.count("Permission denied") == 3, text
+    assert sb.secret_marker not in text, text
+
+
+async def test_a_sandbox_of_its_own_has_its_own_pid_1(sb: Sandboxes) -> None:
+    # A command too big for one request to the session's sandbox gets a sandbox of its own,
+    # whose PID 1 (bwrap's init) can be looked into: its root must be the sandbox's.
+    marker = unique("inside-file")
+    (sb.worktree / "inside").write_text(marker)
+    result = await sb.sh(
+        sb.launch(),
+        f"cat /proc/1/root{sb.worktree}/inside; echo; ls /proc/1/root/; "
+        f"cat /proc/1/root{sb.ssh_key}",
+        env={"PAD1": "x" * (MAX_REQUEST_BYTES // 2), "PAD2": "y" * (MAX_REQUEST_BYTES // 2)},
     )
     text = output(result)
     assert marker in text, text  # PID 1 sees the sandbox's mounts
-    assert "cc-sandbox" in text, text
     assert "root\n" not in text.split(marker)[-1], text  # the host's /root is not there
+    assert sb.secret_marker not in text and "No such file" in text, text
 
 
 @pytest.mark.parametrize(

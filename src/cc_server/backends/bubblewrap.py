@@ -11,7 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_argv
-from cc_server.backends.plan import Command, CreateRules, FdArg, InheritedFd, LaunchPlan
+from cc_server.backends.plan import (
+    Command,
+    CreateRules,
+    FdArg,
+    InheritedFd,
+    LaunchPlan,
+    SessionCommand,
+)
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.backends.supervisor import GUEST_LAUNCHER, notify_filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
@@ -268,12 +275,17 @@ def _step_egress(
 
 
 def _step_launcher(
-    policy: CompiledPolicy, tools: CreateRuleTools | None, argv: tuple[str, ...], egress: bool
+    policy: CompiledPolicy,
+    tools: CreateRuleTools | None,
+    argv: tuple[str, ...],
+    egress: bool,
+    serve: InheritedFd | None = None,
 ) -> tuple[list[_Word], tuple[_Word, ...], CreateRules | None, InheritedFd | None]:
     # 7b. The launcher, bound read-only, runs before the command. With egress it hands the
     #     sandbox's loopback listeners to the proxies. With create-time filename rules it runs as
     #     the sandbox's PID 1 (so no process inside lacks the filter), installs the create-rule
     #     filter, sends its listener to the server's supervisor and only then runs the command.
+    #     For a session sandbox (`serve`) it is PID 1 and starts each command on request.
     rules_needed = policy.requires_create_rules
     if tools is None or not (rules_needed or egress):
         return [], argv, None, None
@@ -299,6 +311,8 @@ def _step_launcher(
         bind = ["--as-pid-1", *bind]
         wrapped += ["--filter", FdArg(name="create-rules.bpf", data=bpf), "--socket", sock]
         rules = CreateRules(globs=policy.deny_create_globs, socket=sock, library=tools.library)
+    if serve is not None:
+        return ["--as-pid-1", *bind], (*wrapped, "--serve", serve), rules, handoff
     return bind, (*wrapped, "--", *argv), rules, handoff
 
 
@@ -355,6 +369,16 @@ def plan_bubblewrap(
     pinned: set[str] = {m.host_path for m in policy.mounts}
     read_only: set[str] = set()  # made read-only by step 5; pins must not re-open them
     cwd = command.cwd or _default_cwd(policy, host)
+    serve = (
+        InheritedFd(name="session.sock")
+        if command.in_session_sandbox
+        and create_rules is not None
+        and command.egress is not None
+        and not policy.requires_create_rules
+        and new_session
+        and not share_net
+        else None
+    )
     argv: list[_Word] = [bwrap]
     argv += _step_namespaces(new_session=new_session, share_net=share_net)
     argv += _step_system(host)
@@ -365,13 +389,13 @@ def plan_bubblewrap(
     bridge_args, bridged = _step_egress(policy, command, socat, create_rules is not None)
     argv += bridge_args
     launcher_args, inner_argv, rules, handoff = _step_launcher(
-        policy, create_rules, bridged, command.egress is not None
+        policy, create_rules, bridged, command.egress is not None, serve
     )
     argv += launcher_args
     # 8. Everything not explicitly writable above is read-only, including the sandbox's root.
     argv += ["--remount-ro", "/"]
     # 9. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
-    argv += ["--chdir", cwd, "--seccomp", FdArg(name="seccomp.bpf", data=bpf)]
+    argv += ["--chdir", "/" if serve else cwd, "--seccomp", FdArg(name="seccomp.bpf", data=bpf)]
     argv += ["--", *inner_argv]
 
     env = dict(command.env)
@@ -379,6 +403,13 @@ def plan_bubblewrap(
     env.setdefault("HOME", host.home)
     if command.egress is not None:
         env.update(bridge_env())
+    session = None
+    if serve is not None:
+        env["PWD"] = cwd  # what bwrap's --chdir sets for a command it starts itself
+        session = SessionCommand(
+            argv=command.argv, env=tuple(sorted(env.items())), cwd=cwd, socket=serve
+        )
+        env = {"PATH": DEFAULT_PATH}
     return LaunchPlan(
         backend=SandboxBackend.NATIVE,
         argv=tuple(argv),
@@ -396,6 +427,7 @@ def plan_bubblewrap(
         ),
         create_rules=rules,
         egress_handoff=handoff,
+        session=session,
     )
 
 

@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["use_pidfd_child_watcher"]
+__all__ = ["use_pidfd_child_watcher", "wait_exited"]
 
 
 class _PidfdWatcher(asyncio.AbstractChildWatcher):
@@ -77,3 +77,39 @@ def use_pidfd_child_watcher() -> None:
         return
     if not isinstance(asyncio.get_child_watcher(), _PidfdWatcher):
         asyncio.set_child_watcher(_PidfdWatcher())
+
+
+RETURNCODE_SPIN_TURNS = 16  # loop turns to wait for the exit status before 1 ms naps
+
+
+async def wait_exited(proc: asyncio.subprocess.Process) -> None:
+    """Wait for `proc` itself to exit and its `returncode` to be set.
+
+    Not `Process.wait()`: asyncio's also waits for every pipe to close, which a descendant
+    holding stdout can postpone forever. A pidfd becomes readable when the process exits; the
+    loop's child watcher then sets `returncode` within a loop iteration or two.
+    """
+    if proc.returncode is None:
+        loop = asyncio.get_running_loop()
+        try:
+            pidfd = os.pidfd_open(proc.pid)
+        except ProcessLookupError:  # already reaped: returncode is on its way
+            pidfd = -1
+        if pidfd >= 0:
+            exited: asyncio.Future[None] = loop.create_future()
+
+            def on_exit() -> None:
+                if not exited.done():
+                    exited.set_result(None)
+
+            loop.add_reader(pidfd, on_exit)
+            try:
+                await exited
+            finally:
+                loop.remove_reader(pidfd)
+                os.close(pidfd)
+    # The child watcher sets it from a callback it schedules: a few loop turns, at most.
+    turns = 0
+    while proc.returncode is None:
+        turns += 1
+        await asyncio.sleep(0 if turns <= RETURNCODE_SPIN_TURNS else 0.001)

@@ -1,5 +1,5 @@
 """Receiving file descriptors a sandbox's launcher sends over a socketpair (SCM_RIGHTS), and
-waiting for a socket the event loop does not own to become readable."""
+waiting for a socket the event loop does not own to become readable or writable."""
 
 from __future__ import annotations
 
@@ -9,11 +9,20 @@ import socket
 
 from cc_server.errors import EnforcementFailed
 
-__all__ = ["receive_fds", "wait_readable"]
+__all__ = ["receive_fds", "wait_readable", "wait_writable"]
 
 
 async def wait_readable(sock: socket.socket) -> None:
     """Wait until `sock` is readable (data, a message with descriptors, or EOF)."""
+    await _wait(sock, writable=False)
+
+
+async def wait_writable(sock: socket.socket) -> None:
+    """Wait until `sock` has room for a message."""
+    await _wait(sock, writable=True)
+
+
+async def _wait(sock: socket.socket, *, writable: bool) -> None:
     loop = asyncio.get_running_loop()
     ready: asyncio.Future[None] = loop.create_future()
 
@@ -21,11 +30,14 @@ async def wait_readable(sock: socket.socket) -> None:
         if not ready.done():
             ready.set_result(None)
 
-    loop.add_reader(sock.fileno(), wake)
+    add, remove = (
+        (loop.add_writer, loop.remove_writer) if writable else (loop.add_reader, loop.remove_reader)
+    )
+    add(sock.fileno(), wake)
     try:
         await ready
     finally:
-        loop.remove_reader(sock.fileno())
+        remove(sock.fileno())
 
 
 async def receive_fds(

@@ -16,6 +16,7 @@ __all__ = [
     "InheritedFd",
     "LaunchPlan",
     "Planner",
+    "SessionCommand",
 ]
 
 
@@ -43,6 +44,9 @@ class Command:
     env: tuple[tuple[str, str], ...] = ()
     cwd: str | None = None
     egress: EgressBridge | None = None
+    # Run it in the session's long-lived sandbox when the backend has one (LaunchPlan.session):
+    # the plan then describes that sandbox, and the command goes to it as a request.
+    in_session_sandbox: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -85,6 +89,21 @@ class CreateRules:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SessionCommand:
+    """A command for a session sandbox (runtime/session_sandbox.py): the launcher inside, the
+    sandbox's PID 1, starts `argv` with exactly `env` in `cwd` when asked over `socket`.
+
+    The plan it belongs to describes the sandbox itself; two execs whose plans are equal can
+    share one, since every fact the plan was built from is the same.
+    """
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    cwd: str
+    socket: InheritedFd
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchPlan:
     """A complete, auditable description of one launch.
 
@@ -101,6 +120,8 @@ class LaunchPlan:
     # The launcher inside sends the sandbox's two loopback proxy listeners over this socket; the
     # caller must give them to the session's proxies (runtime/handle.py does).
     egress_handoff: InheritedFd | None = None
+    # Set when `argv` starts a session sandbox rather than the command: the command itself.
+    session: SessionCommand | None = None
 
     def render(self) -> str:
         """Human-readable form: one argv word per line, pairs of bwrap options kept together."""
@@ -116,6 +137,11 @@ class LaunchPlan:
             lines.append(f"create rules: {', '.join(self.create_rules.globs)} (supervised)")
         if self.egress_handoff is not None:
             lines.append("egress: the launcher hands its loopback listeners to the proxies")
+        if self.session is not None:
+            lines.append("session sandbox: the launcher serves exec requests; this command:")
+            lines.append(f"  cwd: {self.session.cwd}")
+            lines.extend(f"  env: {k}={shlex.quote(v)}" for k, v in self.session.env)
+            lines.extend(f"  argv: {shlex.quote(a)}" for a in self.session.argv)
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, object]:
@@ -131,6 +157,12 @@ class LaunchPlan:
             out["createRules"] = {"globs": list(self.create_rules.globs), "supervised": True}
         if self.egress_handoff is not None:
             out["egressHandoff"] = True
+        if self.session is not None:
+            out["session"] = {
+                "argv": list(self.session.argv),
+                "env": dict(self.session.env),
+                "cwd": self.session.cwd,
+            }
         return out
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import receive_fds
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan, Planner
 from cc_server.backends.runner import start
@@ -38,6 +39,7 @@ from cc_server.runtime.events import (
     SandboxViolation,
     check_transition,
 )
+from cc_server.runtime.session_sandbox import SessionProcess, SessionSandbox
 
 __all__ = ["EgressPort", "Execution", "SandboxHandle"]
 
@@ -47,7 +49,6 @@ KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to 
 # After the command exits, how long its pipes may take to reach EOF. A descendant that left the
 # process group (setsid on `none`) can hold them open forever; it must not hold the execution.
 PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
-RETURNCODE_SPIN_TURNS: Final = 16  # loop turns to wait for the exit status before 1 ms naps
 HANDOFF_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's egress listeners arriving
 CREATE_VIOLATION: Final = "file-write-create"  # SandboxViolation.action of a refused new name
 log = logging.getLogger("cc_server.runtime")
@@ -95,6 +96,10 @@ class SandboxHandle:
     egress: EgressPort | None = field(default=None, repr=False)
     _running: set[Execution] = field(default_factory=set, repr=False)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
+    # The session sandbox new commands go to, and older ones still running commands.
+    _sandbox: SessionSandbox | None = field(default=None, repr=False)
+    _retired: set[SessionSandbox] = field(default_factory=set, repr=False)
+    _sandbox_lock: asyncio.Lock | None = field(default=None, repr=False)
 
     def transition(self, new: SandboxState) -> None:
         """Move to `new`, or raise IllegalTransition (a bug)."""
@@ -152,6 +157,39 @@ class SandboxHandle:
             timeout_s=timeout_s,
         )
 
+    async def session_sandbox(self, plan: LaunchPlan) -> SessionSandbox:
+        """The session sandbox `plan` describes: the running one when the plan is the same (every
+        host fact it was built from is unchanged), else a new one. A replaced sandbox keeps
+        running its commands and is closed after the last.
+
+        Raises:
+            EnforcementFailed: the sandbox could not be started; no command ran.
+        """
+        if self._sandbox_lock is None:
+            self._sandbox_lock = asyncio.Lock()
+        async with self._sandbox_lock:
+            current = self._sandbox
+            if current is not None and current.reusable and current.same_sandbox(plan):
+                return current
+            self._sandbox = None
+            if current is not None:
+                self._retired.add(current)
+                await self._close_idle(current)
+            assert self.egress is not None  # a session sandbox is planned only with egress
+            self._sandbox = await SessionSandbox.start(plan, self.egress)
+            self.details["sandboxPid"] = self._sandbox.pid
+            return self._sandbox
+
+    async def _close_idle(self, sandbox: SessionSandbox) -> None:
+        """Close `sandbox` if it was replaced, or may not be reused, and runs no command any
+        more."""
+        if sandbox is self._sandbox and not sandbox.reusable:
+            self._sandbox = None
+            self._retired.add(sandbox)
+        if sandbox in self._retired and sandbox.running == 0:
+            self._retired.discard(sandbox)
+            await sandbox.aclose()
+
     def _started(self, execution: Execution) -> None:
         self._running.add(execution)
         self.transition(SandboxState.ACTIVE)
@@ -179,9 +217,16 @@ class SandboxHandle:
             for execution in list(self._running):
                 await execution.kill(reason="destroyed")
         finally:
-            if self.egress is not None:
-                await self.egress.aclose()
-            self.transition(SandboxState.DESTROYED)
+            try:
+                sandboxes = [*self._retired, *([self._sandbox] if self._sandbox else [])]
+                self._sandbox = None
+                self._retired.clear()
+                for sandbox in sandboxes:
+                    await sandbox.aclose()
+            finally:
+                if self.egress is not None:
+                    await self.egress.aclose()
+                self.transition(SandboxState.DESTROYED)
 
     def to_json(self) -> dict[str, object]:
         """The spec's SandboxHandle fields, camelCase."""
@@ -220,7 +265,8 @@ class Execution:
         )
         self._timeout_s = timeout_s
         self._queue: asyncio.Queue[SandboxEvent] = asyncio.Queue(EVENT_QUEUE_SIZE)
-        self._proc: asyncio.subprocess.Process | None = None
+        self._proc: asyncio.subprocess.Process | SessionProcess | None = None
+        self._sandbox: SessionSandbox | None = None  # when it runs in the session's sandbox
         self._transport: asyncio.SubprocessTransport | None = None
         self._killed_reason: str | None = None
         self._task_group: asyncio.TaskGroup | None = None
@@ -240,7 +286,7 @@ class Execution:
             self._queue.put_nowait(self._event(EventType.VIOLATION, violation=violation))
 
     async def __aenter__(self) -> Execution:
-        command = self.command
+        command = dataclasses.replace(self.command, in_session_sandbox=True)
         if self.handle.egress is not None:  # the session's proxies, started on first use
             command = dataclasses.replace(command, egress=await self.handle.egress.start())
         plan = self.handle.plan(command)
@@ -251,6 +297,19 @@ class Execution:
             else pipe if (self._stdin_data is not None or self._interactive)
             else asyncio.subprocess.DEVNULL
         )
+        if plan.session is not None:
+            sandbox = await self.handle.session_sandbox(plan)
+            self._proc = await sandbox.run(
+                plan.session,
+                stdin=stdin_mode,
+                stdout=self._stdio[1] if self._inherit else pipe,
+                stderr=self._stdio[2] if self._inherit else pipe,
+            )
+            if self._proc is not None:
+                self._sandbox = sandbox
+                return await self._ready()
+            # Too big for one request: a sandbox of its own, planned the same way.
+            plan = self.handle.plan(dataclasses.replace(command, in_session_sandbox=False))
         # The launcher inside sends over these: its seccomp listener, its loopback listeners.
         pairs: dict[str, tuple[socket.socket, socket.socket]] = {}
         for slot in (plan.create_rules.socket if plan.create_rules else None, plan.egress_handoff):
@@ -272,6 +331,9 @@ class Execution:
         finally:
             for ours, _ in pairs.values():
                 ours.close()
+        return await self._ready()
+
+    async def _ready(self) -> Execution:
         self.handle._started(self)
         await self._queue.put(self._event(EventType.READY))
         self._task_group = asyncio.TaskGroup()
@@ -380,6 +442,8 @@ class Execution:
             assert code is not None
             if self._transport is not None:
                 self._transport.close()  # our pipe ends, even if a descendant still holds theirs
+            if isinstance(proc, SessionProcess):
+                proc.close()
             for adopted in self._adopted:  # the sandbox is gone: nothing more to accept
                 await adopted.aclose()
             self._adopted = ()
@@ -392,6 +456,8 @@ class Execution:
             await self._queue.put(self._event(EventType.EXIT, exit_code=self.exit_code))
             self.handle._finished(self)
             self._done.set()
+            if self._sandbox is not None:
+                await self.handle._close_idle(self._sandbox)
 
     async def write_stdin(self, data: bytes) -> None:
         """Send bytes to an interactive execution's stdin."""
@@ -417,9 +483,13 @@ class Execution:
         if proc.returncode is None and self._killed_reason is None:
             self._killed_reason = reason
         self._signal_group()
-        with contextlib.suppress(TimeoutError):
+        try:
             async with asyncio.timeout(KILL_GRACE_S):
                 await self._exited()
+        except TimeoutError:
+            if self._sandbox is not None:  # its launcher does not answer: end the sandbox
+                self.handle._retired.add(self._sandbox)
+                await self._sandbox.aclose()
 
     async def terminate(self, grace_s: float, reason: str = "shutdown") -> None:
         """SIGTERM the command's host-side process group, then `kill()` it if it has not exited
@@ -430,50 +500,32 @@ class Execution:
             return
         if proc.returncode is None and self._killed_reason is None:
             self._killed_reason = reason
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        if isinstance(proc, SessionProcess):
+            proc.send_signal(signal.SIGTERM)
+        else:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(grace_s):
                 await self._exited()
         await self.kill(reason=reason)
 
     async def _exited(self) -> None:
-        """Wait for the command itself to exit.
-
-        Not `Process.wait()`: asyncio's also waits for every pipe to close, which a descendant
-        holding stdout can postpone forever. A pidfd becomes readable when the process exits;
-        the loop's child watcher then sets `returncode` within a loop iteration or two.
-        """
+        """Wait for the command itself to exit (see child_watch.wait_exited); in a session
+        sandbox, for its keeper's report that it and everything it left have ended."""
         proc = self._proc
         assert proc is not None
-        if proc.returncode is None:
-            loop = asyncio.get_running_loop()
-            try:
-                pidfd = os.pidfd_open(proc.pid)
-            except ProcessLookupError:  # already reaped: returncode is on its way
-                pidfd = -1
-            if pidfd >= 0:
-                exited: asyncio.Future[None] = loop.create_future()
-
-                def on_exit() -> None:
-                    if not exited.done():
-                        exited.set_result(None)
-
-                loop.add_reader(pidfd, on_exit)
-                try:
-                    await exited
-                finally:
-                    loop.remove_reader(pidfd)
-                    os.close(pidfd)
-        # The child watcher sets it from a callback it schedules: a few loop turns, at most.
-        turns = 0
-        while proc.returncode is None:
-            turns += 1
-            await asyncio.sleep(0 if turns <= RETURNCODE_SPIN_TURNS else 0.001)
+        if isinstance(proc, SessionProcess):
+            await proc.exited()
+        else:
+            await wait_exited(proc)
 
     def _signal_group(self) -> None:
         # The group id stays reserved while any member lives, so this never hits a stranger.
         assert self._proc is not None
+        if isinstance(self._proc, SessionProcess):
+            self._proc.send_signal(signal.SIGKILL)  # no-op once it has ended
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self._proc.pid, signal.SIGKILL)
 

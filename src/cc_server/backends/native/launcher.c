@@ -2,6 +2,7 @@
  * cc-create-launcher: the last step inside a bubblewrap sandbox before the command runs.
  *
  *   cc-create-launcher [--egress FD] [--filter FD --socket FD] -- COMMAND [ARGS...]
+ *   cc-create-launcher [--egress FD] --serve FD
  *   cc-create-launcher --selftest
  *
  * --egress FD (the sandbox's network namespace has only `lo`): it listens on 127.0.0.1:3128 and
@@ -25,6 +26,15 @@
  * Every process in the sandbox therefore carries the filter; bwrap's own reaper, which did not,
  * is not there to be ptraced into creating names.
  *
+ * --serve FD (as the sandbox's PID 1, bwrap --as-pid-1): the session's sandbox outlives one
+ * command. The launcher reads exec requests from the SOCK_SEQPACKET socket FD (one request per
+ * message, the command's stdin, stdout and stderr attached) and answers each with the command's
+ * exit status. Each command gets a keeper process, a child subreaper: it forks the command in a
+ * new session, and when the command exits it SIGKILLs whatever the command left behind (every
+ * descendant, double-forked or setsid'd, is reparented to the keeper) before it reports. So a
+ * command's leftovers die with it, as they did with a PID namespace per command. When the server
+ * closes FD the launcher exits and the kernel kills everything left in the namespace.
+ *
  * Any failure before the exec exits 125 with a message on stderr: the command never runs
  * without its filter.
  *
@@ -34,6 +44,7 @@
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/audit.h>
@@ -68,7 +79,9 @@
 #define EGRESS_HTTP_PORT 3128 /* backends/egress_bridge.py HTTP_PROXY_PORT */
 #define EGRESS_SOCKS_PORT 1080 /* backends/egress_bridge.py SOCKS_PROXY_PORT */
 #define EGRESS_BACKLOG 128
-#define USAGE "usage: cc-create-launcher [--egress FD] [--filter FD --socket FD] -- COMMAND [ARGS...]"
+#define USAGE                                                                              \
+    "usage: cc-create-launcher [--egress FD] [--filter FD --socket FD] -- COMMAND [ARGS...]\n" \
+    "       cc-create-launcher [--egress FD] --serve FD"
 
 #define MAX_FILTER_INSNS 4096 /* BPF_MAXINSNS */
 #define SELFTEST_TIMEOUT_MS 5000
@@ -223,6 +236,328 @@ static int run_as_init(char **argv) {
     }
 }
 
+/* --- serve: one sandbox per session, commands started on request ------------------------- */
+
+#define SERVE_MAX_REQUEST (128 * 1024) /* runtime/pod.py MAX_REQUEST_BYTES */
+#define SERVE_MAX_WORDS 16384
+#define SERVE_MAX_RUNNING 1024
+#define SERVE_HEADER 16 /* tag, 3 bytes of padding, id, argc, envc (little-endian u32) */
+#define KEEPER_KILLED 0x100 /* in a 'D' code: the keeper itself was killed (runtime/session_sandbox.py) */
+
+extern char **environ;
+
+struct keeper {
+    pid_t pid;
+    uint32_t id;
+};
+static struct keeper keepers[SERVE_MAX_RUNNING];
+static size_t n_keepers;
+
+/* In a keeper: the command's pid while it can still be signalled, else 0. */
+static volatile sig_atomic_t keeper_command;
+
+static void on_sigchld(int sig) { (void)sig; }
+
+/* A keeper forwards the signal the launcher queued (SIGUSR1 from PID 1, the signal number as
+ * its value) to the command's process group. Anyone else's SIGUSR1 is ignored. */
+static void keeper_on_usr1(int sig, siginfo_t *info, void *ctx) {
+    (void)sig;
+    (void)ctx;
+    pid_t command = keeper_command;
+    if (command <= 0 || info->si_code != SI_QUEUE || info->si_pid != 1)
+        return;
+    int signo = info->si_value.sival_int;
+    if (signo <= 0 || signo >= NSIG)
+        return;
+    if (kill(-command, signo) < 0)
+        kill(command, signo);
+}
+
+static void put_u32(char *at, uint32_t v) { memcpy(at, &v, sizeof v); }
+static uint32_t get_u32(const char *at) {
+    uint32_t v;
+    memcpy(&v, at, sizeof v);
+    return v;
+}
+
+/* Reply to the server: tag 'D', the request's id, the exit code (128+N for signal N). */
+static void send_done(int ctl, uint32_t id, int code) {
+    char msg[12] = {'D'};
+    put_u32(msg + 4, id);
+    put_u32(msg + 8, (uint32_t)code);
+    ssize_t n;
+    do {
+        n = send(ctl, msg, sizeof msg, MSG_NOSIGNAL);
+    } while (n < 0 && errno == EINTR);
+}
+
+/* SIGKILL every descendant of `pid`, deepest last (a killed parent cannot fork again). */
+static void kill_descendants(pid_t pid, int depth) {
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%d/task", (int)pid);
+    DIR *tasks = opendir(path);
+    if (!tasks)
+        return;
+    struct dirent *task;
+    while ((task = readdir(tasks)) != NULL) {
+        if (task->d_name[0] == '.')
+            continue;
+        char children_path[96];
+        snprintf(children_path, sizeof children_path, "/proc/%d/task/%.16s/children", (int)pid,
+                 task->d_name);
+        FILE *f = fopen(children_path, "re");
+        if (!f)
+            continue;
+        long child;
+        while (fscanf(f, "%ld", &child) == 1) {
+            kill((pid_t)child, SIGKILL);
+            if (depth < 4096)
+                kill_descendants((pid_t)child, depth + 1);
+        }
+        fclose(f);
+    }
+    closedir(tasks);
+}
+
+static int status_code(int status) {
+    if (WIFEXITED(status))
+        return WEXITSTATUS(status);
+    if (WIFSIGNALED(status))
+        return 128 + WTERMSIG(status);
+    return EXIT_NOT_RUN;
+}
+
+/* The keeper of one command: a subreaper that runs it and, when it exits, kills every process
+ * it left, then exits with the command's code. Never returns. */
+static void keeper(const char *cwd, char **argv, char **envp, const int fds[3],
+                   const sigset_t *unblocked) {
+    if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
+        dprintf(fds[2], "cc-server: prctl(PR_SET_CHILD_SUBREAPER): %s; the command was not run\n",
+                strerror(errno));
+        _exit(EXIT_NOT_RUN);
+    }
+    struct sigaction usr1 = {.sa_sigaction = keeper_on_usr1, .sa_flags = SA_SIGINFO | SA_RESTART};
+    sigemptyset(&usr1.sa_mask);
+    sigaction(SIGUSR1, &usr1, NULL);
+    sigset_t block_usr1; /* blocked since the launcher forked us */
+    sigemptyset(&block_usr1);
+    sigaddset(&block_usr1, SIGUSR1);
+    pid_t command = fork();
+    if (command < 0) {
+        dprintf(fds[2], "cc-server: fork: %s; the command was not run\n", strerror(errno));
+        _exit(EXIT_NOT_RUN);
+    }
+    if (command == 0) {
+        struct sigaction dfl = {.sa_handler = SIG_DFL};
+        sigaction(SIGUSR1, &dfl, NULL);
+        sigaction(SIGCHLD, &dfl, NULL);
+        sigprocmask(SIG_SETMASK, unblocked, NULL);
+        setsid();
+        /* fds[] are close-on-exec; dup2 clears that on 0, 1 and 2 (a dup of itself would not). */
+        int high[3];
+        for (int i = 0; i < 3; i++)
+            if ((high[i] = fcntl(fds[i], F_DUPFD_CLOEXEC, 3)) < 0)
+                _exit(EXIT_NOT_RUN);
+        for (int i = 0; i < 3; i++)
+            if (dup2(high[i], i) < 0)
+                _exit(EXIT_NOT_RUN);
+        if (chdir(cwd) < 0) {
+            dprintf(2, "cc-server: cannot chdir to %s: %s; the command was not run\n", cwd,
+                    strerror(errno));
+            _exit(EXIT_NOT_RUN);
+        }
+        environ = envp; /* execvp searches the command's own PATH */
+        execvp(argv[0], argv);
+        int code = errno == ENOENT ? 127 : 126;
+        dprintf(2, "cc-server: cannot run %s: %s\n", argv[0], strerror(errno));
+        _exit(code);
+    }
+    for (int i = 0; i < 3; i++)
+        close(fds[i]);
+    keeper_command = command;
+    sigprocmask(SIG_UNBLOCK, &block_usr1, NULL);
+    int code = EXIT_NOT_RUN;
+    for (;;) {
+        siginfo_t info;
+        memset(&info, 0, sizeof info);
+        /* WNOWAIT: the command stays a zombie, so its pid cannot be reused by the time the
+         * forwarding handler is switched off. */
+        if (waitid(P_ALL, 0, &info, WEXITED | WNOWAIT) < 0) {
+            if (errno == EINTR)
+                continue;
+            break; /* ECHILD: cannot happen before the command is reaped */
+        }
+        if (info.si_pid != command) {
+            waitpid(info.si_pid, NULL, 0);
+            continue;
+        }
+        sigprocmask(SIG_BLOCK, &block_usr1, NULL);
+        keeper_command = 0;
+        int status;
+        while (waitpid(command, &status, 0) < 0 && errno == EINTR) {
+        }
+        code = status_code(status);
+        break;
+    }
+    /* What the command left: every descendant is ours (we are their subreaper). Kill the whole
+     * tree, reap, and repeat until none is left; a process forked during a walk is seen in the
+     * next one. */
+    for (;;) {
+        kill_descendants(getpid(), 0);
+        pid_t reaped = waitpid(-1, NULL, 0);
+        if (reaped < 0 && errno == ECHILD)
+            break;
+    }
+    _exit(code);
+}
+
+static void close_fds(const int *fds, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        close(fds[i]);
+}
+
+/* One message from the server: 'X' (run a command) or 'S' (signal one). */
+static void serve_request(int ctl, char *buf, const sigset_t *unblocked) {
+    union {
+        struct cmsghdr hdr;
+        char buf[CMSG_SPACE(3 * sizeof(int))];
+    } control;
+    struct iovec iov = {.iov_base = buf, .iov_len = SERVE_MAX_REQUEST};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                         .msg_controllen = sizeof control.buf};
+    ssize_t n = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC);
+    if (n < 0 && (errno == EINTR || errno == EAGAIN))
+        return;
+    if (n <= 0) /* the server is gone: so is this sandbox */
+        _exit(0);
+    int fds[3];
+    size_t nfds = 0;
+    for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
+        if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+            continue;
+        size_t k = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+        for (size_t j = 0; j < k; j++) {
+            int fd;
+            memcpy(&fd, CMSG_DATA(c) + j * sizeof(int), sizeof fd);
+            if (nfds < 3)
+                fds[nfds++] = fd;
+            else
+                close(fd);
+        }
+    }
+    if (n == 12 && buf[0] == 'S' && nfds == 0) {
+        uint32_t id = get_u32(buf + 4);
+        union sigval value = {.sival_int = (int)get_u32(buf + 8)};
+        for (size_t i = 0; i < n_keepers; i++)
+            if (keepers[i].id == id)
+                sigqueue(keepers[i].pid, SIGUSR1, value);
+        return;
+    }
+    if (n < SERVE_HEADER || buf[0] != 'X' || (msg.msg_flags & (MSG_TRUNC | MSG_CTRUNC)) ||
+        nfds != 3) {
+        if (n >= 8)
+            send_done(ctl, get_u32(buf + 4), EXIT_NOT_RUN);
+        close_fds(fds, nfds);
+        return;
+    }
+    uint32_t id = get_u32(buf + 4), argc = get_u32(buf + 8), envc = get_u32(buf + 12);
+    char *words[SERVE_MAX_WORDS + 3];
+    size_t n_words = 0;
+    char *at = buf + SERVE_HEADER, *end = buf + n;
+    int ok = argc >= 1 && argc <= SERVE_MAX_WORDS && envc <= SERVE_MAX_WORDS - argc;
+    for (uint32_t k = 0; ok && k < 1 + argc + envc; k++) {
+        char *nul = memchr(at, '\0', (size_t)(end - at));
+        if (!nul) {
+            ok = 0;
+            break;
+        }
+        words[n_words++] = at;
+        at = nul + 1;
+    }
+    if (!ok || at != end || n_keepers >= SERVE_MAX_RUNNING) {
+        dprintf(fds[2], "cc-server: %s; the command was not run\n",
+                ok && at == end ? "too many commands are running in this sandbox"
+                                : "malformed exec request");
+        send_done(ctl, id, EXIT_NOT_RUN);
+        close_fds(fds, nfds);
+        return;
+    }
+    /* words: cwd, argv..., NULL, env..., NULL (the NULLs go after each list) */
+    char *argv[SERVE_MAX_WORDS + 1], *envp[SERVE_MAX_WORDS + 1];
+    memcpy(argv, words + 1, argc * sizeof(char *));
+    argv[argc] = NULL;
+    memcpy(envp, words + 1 + argc, envc * sizeof(char *));
+    envp[envc] = NULL;
+    pid_t pid = fork();
+    if (pid == 0) {
+        close(ctl);
+        keeper(words[0], argv, envp, fds, unblocked);
+    }
+    close_fds(fds, nfds);
+    if (pid < 0) {
+        send_done(ctl, id, EXIT_NOT_RUN);
+        return;
+    }
+    keepers[n_keepers++] = (struct keeper){.pid = pid, .id = id};
+}
+
+/* Reap exited keepers and report their commands' codes. Anything else that ends up here (an
+ * orphan whose keeper was killed from inside) is reaped too. */
+static void reap(int ctl) {
+    int status;
+    pid_t pid;
+    while ((pid = waitpid(-1, &status, WNOHANG)) > 0) {
+        for (size_t i = 0; i < n_keepers; i++) {
+            if (keepers[i].pid != pid)
+                continue;
+            /* A keeper that died of a signal (killed from inside) could not clean up after its
+             * command: the server is told, and replaces this sandbox once it is idle. */
+            send_done(ctl, keepers[i].id,
+                      status_code(status) | (WIFSIGNALED(status) ? KEEPER_KILLED : 0));
+            keepers[i] = keepers[--n_keepers];
+            break;
+        }
+    }
+}
+
+static _Noreturn void serve(int ctl) {
+    if (getpid() != 1)
+        die_msg("--serve runs only as the sandbox's PID 1 (bwrap --as-pid-1)");
+    /* Not ptraceable by the commands (same uid): they cannot read other commands' requests. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        die("prctl(PR_SET_DUMPABLE)");
+    if (fcntl(ctl, F_SETFD, FD_CLOEXEC) < 0)
+        die("fcntl(F_SETFD)");
+    /* PID 1 gets SIGCHLD only with a handler installed; it stays blocked except inside ppoll.
+     * SIGUSR1 stays blocked here, so a keeper starts with it blocked: one queued before the
+     * keeper has its handler and its command stays pending instead of killing the keeper. */
+    sigset_t chld, orig, waiting;
+    sigemptyset(&chld);
+    sigaddset(&chld, SIGCHLD);
+    sigaddset(&chld, SIGUSR1);
+    if (sigprocmask(SIG_BLOCK, &chld, &orig) < 0)
+        die("sigprocmask");
+    struct sigaction on_chld = {.sa_handler = on_sigchld, .sa_flags = SA_NOCLDSTOP};
+    sigemptyset(&on_chld.sa_mask);
+    if (sigaction(SIGCHLD, &on_chld, NULL) < 0)
+        die("sigaction(SIGCHLD)");
+    waiting = orig;
+    sigdelset(&waiting, SIGCHLD);
+    sigaddset(&waiting, SIGUSR1);
+    char *buf = malloc(SERVE_MAX_REQUEST);
+    if (!buf)
+        die("out of memory");
+    for (;;) {
+        reap(ctl);
+        struct pollfd p = {.fd = ctl, .events = POLLIN};
+        int r = ppoll(&p, 1, NULL, &waiting);
+        if (r < 0 && errno != EINTR)
+            die("ppoll");
+        if (r > 0)
+            serve_request(ctl, buf, &orig);
+    }
+}
+
 /* --- selftest ------------------------------------------------------------------------------ */
 
 #if defined(__x86_64__)
@@ -369,7 +704,7 @@ static void install_create_rules(int filter_fd, int sock_fd) {
 int main(int argc, char **argv) {
     if (argc == 2 && strcmp(argv[1], "--selftest") == 0)
         return selftest();
-    int filter_fd = -1, sock_fd = -1, egress_fd = -1, i = 1;
+    int filter_fd = -1, sock_fd = -1, egress_fd = -1, serve_fd = -1, i = 1;
     for (; i < argc; i++) {
         if (strcmp(argv[i], "--") == 0) {
             i++;
@@ -383,8 +718,17 @@ int main(int argc, char **argv) {
             sock_fd = parse_fd(argv[++i]);
         else if (strcmp(argv[i], "--egress") == 0)
             egress_fd = parse_fd(argv[++i]);
+        else if (strcmp(argv[i], "--serve") == 0)
+            serve_fd = parse_fd(argv[++i]);
         else
             die_msg("unknown option");
+    }
+    if (serve_fd >= 0) {
+        if (filter_fd >= 0 || sock_fd >= 0 || i < argc)
+            die_msg(USAGE);
+        if (egress_fd >= 0)
+            hand_over_egress(egress_fd);
+        serve(serve_fd);
     }
     if ((filter_fd < 0) != (sock_fd < 0) || (filter_fd < 0 && egress_fd < 0) || i >= argc)
         die_msg(USAGE);

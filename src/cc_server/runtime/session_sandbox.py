@@ -1,0 +1,405 @@
+"""Session sandboxes: one bubblewrap sandbox per session, whose PID 1 (the launcher, run with
+`--serve`) starts each command on request, instead of one bwrap per command.
+
+The request socket is a SOCK_SEQPACKET socketpair; each message is one request or reply
+(`native/launcher.c`, "serve"). Integers are little-endian u32.
+
+- `X` run: tag, 3 pad bytes, id, argc, envc, then NUL-terminated cwd, argv words and
+  `KEY=VALUE` words, with three descriptors attached (the command's stdin, stdout, stderr).
+- `S` signal: tag, 3 pad bytes, id, signal number: sent to the command's process group.
+- `D` done (launcher to server): tag, 3 pad bytes, id, exit code (128+N for signal N), sent
+  once the command has exited and its keeper has killed everything it left behind. With
+  `KEEPER_KILLED` added, the keeper itself was killed (from inside: the commands share a uid)
+  before it could clean up, so what the command left may still run: the sandbox is then not
+  reused, and closed once its last command has ended.
+
+The launcher is inside the sandbox, so what it sends is untrusted: a reply that is not a
+well-formed `D` for a running id is ignored. If the sandbox ends (the launcher or bwrap died, or
+it was closed), every command still running in it ends with 137, as if killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import struct
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
+
+from cc_server.backends.child_watch import wait_exited
+from cc_server.backends.fdpass import receive_fds, wait_writable
+from cc_server.backends.plan import LaunchPlan, SessionCommand
+from cc_server.backends.runner import start
+from cc_server.errors import EnforcementFailed
+
+if TYPE_CHECKING:
+    from cc_server.runtime.handle import Adopted, EgressPort
+
+__all__ = ["MAX_REQUEST_BYTES", "SessionProcess", "SessionSandbox", "encode_request"]
+
+MAX_REQUEST_BYTES: Final = 128 * 1024  # native/launcher.c SERVE_MAX_REQUEST
+MAX_WORDS: Final = 16384  # native/launcher.c SERVE_MAX_WORDS: argv and env words together
+START_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's egress listeners
+STDERR_TAIL_BYTES: Final = 4096  # what bwrap and the launcher said, kept for errors and logs
+KILLED_CODE: Final = 128 + signal.SIGKILL
+KEEPER_KILLED: Final = 0x100  # native/launcher.c KEEPER_KILLED
+_HEADER: Final = struct.Struct("<c3xIII")
+_REPLY: Final = struct.Struct("<c3xII")
+_SIGNAL: Final = struct.Struct("<c3xII")
+log = logging.getLogger("cc_server.runtime")
+
+
+def encode_request(request_id: int, command: SessionCommand) -> bytes | None:
+    """The `X` message for `command`, or None when it does not fit one request (the caller then
+    runs it in a sandbox of its own)."""
+    words = [command.cwd, *command.argv, *(f"{k}={v}" for k, v in command.env)]
+    if len(command.argv) + len(command.env) > MAX_WORDS or any("\0" in w for w in words):
+        return None
+    body = b"".join(w.encode("utf-8", "surrogateescape") + b"\0" for w in words)
+    message = _HEADER.pack(b"X", request_id, len(command.argv), len(command.env)) + body
+    return message if len(message) <= MAX_REQUEST_BYTES else None
+
+
+class SessionProcess:
+    """One command running in a session sandbox, with the attributes of an asyncio
+    `Process` that an Execution reads (`stdin`, `stdout`, `stderr`, `returncode`)."""
+
+    def __init__(self, sandbox: SessionSandbox, request_id: int) -> None:
+        self._sandbox = sandbox
+        self.request_id = request_id
+        self.stdin: asyncio.StreamWriter | None = None
+        self.stdout: asyncio.StreamReader | None = None
+        self.stderr: asyncio.StreamReader | None = None
+        self.returncode: int | None = None
+        self._done = asyncio.get_running_loop().create_future()
+        self._transports: list[asyncio.BaseTransport] = []
+
+    def _finish(self, code: int) -> None:
+        if self.returncode is None:
+            self.returncode = code
+            self._done.set_result(None)
+
+    async def exited(self) -> None:
+        """Wait until the command (and everything it left) has ended."""
+        await asyncio.shield(self._done)
+
+    def send_signal(self, signum: int) -> None:
+        """Signal the command's process group; after SIGKILL its keeper kills the rest."""
+        if self.returncode is None:
+            self._sandbox._signal(self.request_id, signum)
+
+    def close(self) -> None:
+        """Close our ends of the command's pipes."""
+        for transport in self._transports:
+            transport.close()
+        self._transports = []
+
+
+class SessionSandbox:
+    """A running session sandbox. Built by `start`; `run` starts one command in it."""
+
+    def __init__(
+        self,
+        plan: LaunchPlan,
+        proc: asyncio.subprocess.Process,
+        transport: asyncio.SubprocessTransport,
+        requests: socket.socket,
+    ) -> None:
+        self.plan = plan
+        self._proc = proc
+        self._transport = transport
+        self._requests = requests
+        self._adopted: Sequence[Adopted] = ()
+        self._running: dict[int, SessionProcess] = {}
+        self._next_id = 1
+        self._alive = True
+        self._reusable = True
+        self._stderr_tail: collections.deque[bytes] = collections.deque()
+        self._stderr_task: asyncio.Task[None] | None = None
+        self._launcher_pid: int | None = None  # its PID 1, as the host sees it
+        self._mounts: bytes | None = None  # its mount table when it started
+
+    @property
+    def pid(self) -> int:
+        """bwrap's pid on the host."""
+        return self._proc.pid
+
+    @property
+    def alive(self) -> bool:
+        """Whether it can still start commands."""
+        return self._alive
+
+    @property
+    def reusable(self) -> bool:
+        """Whether new commands may go to it: alive, and no keeper was killed before it could
+        clean up after its command."""
+        return self._alive and self._reusable
+
+    @property
+    def running(self) -> int:
+        """How many of its commands have not ended yet."""
+        return len(self._running)
+
+    def same_sandbox(self, plan: LaunchPlan) -> bool:
+        """Whether `plan` describes this very sandbox (every fact it was planned from is the
+        same) and its mounts are all still as they were, so a command planned with it may run
+        here.
+
+        The mount table is compared because the host can undo a mount without the sandbox's
+        help: unlinking or renaming over a mount point on the host detaches that mount in every
+        namespace (a secret's mask, a read-only `.git/hooks`), and a bound directory deleted on
+        the host stays bound, marked deleted. A sandbox per command would not see either; this
+        one is then replaced.
+        """
+        return (
+            plan.argv == self.plan.argv
+            and plan.env == self.plan.env
+            and self._mounts is not None
+            and self._launcher_pid is not None
+            and _mount_table(self._launcher_pid) == self._mounts
+        )
+
+    @classmethod
+    async def start(cls, plan: LaunchPlan, egress: EgressPort) -> SessionSandbox:
+        """Spawn the sandbox of `plan` and give its loopback listeners to `egress`.
+
+        Raises:
+            EnforcementFailed: bwrap or the launcher failed before serving (the error carries
+                what they said); nothing is left running.
+        """
+        assert plan.session is not None and plan.egress_handoff is not None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        handoff_ours, handoff_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            try:
+                proc, transport = await start(
+                    plan,
+                    stdin=asyncio.subprocess.DEVNULL,
+                    stdout=asyncio.subprocess.DEVNULL,
+                    stderr=asyncio.subprocess.PIPE,
+                    fds={
+                        plan.session.socket.name: theirs.fileno(),
+                        plan.egress_handoff.name: handoff_theirs.fileno(),
+                    },
+                )
+            finally:
+                theirs.close()
+                handoff_theirs.close()
+        except BaseException:
+            ours.close()
+            handoff_ours.close()
+            raise
+        ours.setblocking(False)
+        sandbox = cls(plan, proc, transport, ours)
+        sandbox._stderr_task = asyncio.create_task(sandbox._keep_stderr(), name="sandbox stderr")
+        try:
+            try:
+                fds = await receive_fds(
+                    handoff_ours, tag=b"E", count=2, timeout_s=START_TIMEOUT_S,
+                    what="egress listeners",
+                )
+            finally:
+                handoff_ours.close()
+            http, socks = (socket.socket(fileno=fd) for fd in fds)
+            sandbox._adopted = await egress.adopt(http, socks)
+            # The launcher has made its listeners, so bwrap has set up every mount by now.
+            sandbox._launcher_pid = _only_child(proc.pid)
+            if sandbox._launcher_pid is not None:
+                sandbox._mounts = _mount_table(sandbox._launcher_pid)
+        except BaseException as exc:
+            await sandbox.aclose()
+            if isinstance(exc, EnforcementFailed) and sandbox._stderr_tail:
+                said = b"".join(sandbox._stderr_tail).decode("utf-8", "replace").strip()
+                raise EnforcementFailed(f"{exc.message}: {said}", fix=exc.fix) from exc
+            raise
+        asyncio.get_running_loop().add_reader(ours.fileno(), sandbox._on_reply)
+        return sandbox
+
+    async def _keep_stderr(self) -> None:
+        stream = self._proc.stderr
+        assert stream is not None
+        size = 0
+        while chunk := await stream.read(STDERR_TAIL_BYTES):
+            self._stderr_tail.append(chunk)
+            size += len(chunk)
+            while size - len(self._stderr_tail[0]) >= STDERR_TAIL_BYTES:
+                size -= len(self._stderr_tail.popleft())
+
+    async def run(
+        self,
+        command: SessionCommand,
+        *,
+        stdin: int | None,
+        stdout: int | None,
+        stderr: int | None,
+    ) -> SessionProcess | None:
+        """Start `command`. Each stream is `asyncio.subprocess.PIPE`, `DEVNULL`, a descriptor
+        the caller keeps, or None (the server's own). Returns None when the command does not fit
+        one request (the caller starts a sandbox of its own for it).
+
+        Raises:
+            EnforcementFailed: this sandbox has ended, or the request could not be sent; the
+                command did not start.
+        """
+        request_id = self._next_id
+        message = encode_request(request_id, command)
+        if message is None:
+            return None
+        if not self._alive:
+            raise EnforcementFailed("the session's sandbox has ended; the command was not run")
+        self._next_id += 1
+        loop = asyncio.get_running_loop()
+        proc = SessionProcess(self, request_id)
+        theirs: list[int] = []
+        mine: list[int] = []  # descriptors opened here, closed once sent
+        try:
+            for index, mode in enumerate((stdin, stdout, stderr)):
+                if mode == asyncio.subprocess.PIPE:
+                    read_end, write_end = os.pipe2(os.O_CLOEXEC)
+                    keep, give = (write_end, read_end) if index == 0 else (read_end, write_end)
+                    mine.append(give)
+                    theirs.append(give)
+                    if index == 0:
+                        proc.stdin = await _writer(loop, keep, proc._transports)
+                    else:
+                        reader = await _reader(loop, keep, proc._transports)
+                        if index == 1:
+                            proc.stdout = reader
+                        else:
+                            proc.stderr = reader
+                elif mode == asyncio.subprocess.DEVNULL:
+                    mine.append(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
+                    theirs.append(mine[-1])
+                else:
+                    theirs.append(index if mode is None else mode)
+            self._running[request_id] = proc
+            try:
+                await _send(self._requests, message, theirs)
+            except OSError as exc:
+                del self._running[request_id]
+                raise EnforcementFailed(
+                    f"could not hand the command to the session's sandbox: {exc}; "
+                    "the command was not run"
+                ) from exc
+        except BaseException:
+            proc.close()
+            raise
+        finally:
+            for fd in mine:
+                os.close(fd)
+        return proc
+
+    def _signal(self, request_id: int, signum: int) -> None:
+        if not self._alive:
+            return
+        with contextlib.suppress(OSError):  # full or gone: the sandbox's end handles the rest
+            self._requests.send(_SIGNAL.pack(b"S", request_id, signum))
+
+    def _on_reply(self) -> None:
+        while True:
+            try:
+                data = self._requests.recv(64)
+            except BlockingIOError:
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._ended()
+                return
+            if len(data) != _REPLY.size or data[:1] != b"D":
+                log.warning("session sandbox %d sent a malformed reply; ignored", self.pid)
+                continue
+            _, request_id, code = _REPLY.unpack(data)
+            proc = self._running.pop(request_id, None)
+            if proc is None:
+                continue
+            if code & KEEPER_KILLED:
+                self._reusable = False
+                code &= ~KEEPER_KILLED
+            proc._finish(code if code <= 255 else KILLED_CODE)
+
+    def _ended(self) -> None:
+        if not self._alive:
+            return
+        self._alive = False
+        with contextlib.suppress(ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(self._requests.fileno())
+        running, self._running = self._running, {}
+        for proc in running.values():
+            proc._finish(KILLED_CODE)
+        if running:
+            said = b"".join(self._stderr_tail).decode("utf-8", "replace").strip()
+            log.warning("session sandbox %d ended with %d commands running%s", self.pid,
+                        len(running), f": {said}" if said else "")
+
+    async def aclose(self) -> None:
+        """Kill the sandbox and everything in it, stop accepting on its egress listeners.
+        Idempotent."""
+        self._ended()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, signal.SIGKILL)
+        await wait_exited(self._proc)
+        self._transport.close()
+        if self._stderr_task is not None:
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(self._stderr_task, timeout=1.0)
+        adopted, self._adopted = self._adopted, ()
+        for listener in adopted:
+            await listener.aclose()
+        self._requests.close()
+
+
+def _only_child(pid: int) -> int | None:
+    """bwrap's one child (the sandbox's PID 1, the launcher), or None."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as f:
+            children = f.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if len(children) == 1 else None
+
+
+def _mount_table(pid: int) -> bytes | None:
+    """The mount table of `pid`'s mount namespace, or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/mountinfo", "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+async def _reader(
+    loop: asyncio.AbstractEventLoop, fd: int, transports: list[asyncio.BaseTransport]
+) -> asyncio.StreamReader:
+    reader = asyncio.StreamReader(limit=2**16, loop=loop)
+    transport, _ = await loop.connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
+        open(fd, "rb", buffering=0),  # noqa: SIM115  # the transport owns and closes it
+    )
+    transports.append(transport)
+    return reader
+
+
+async def _writer(
+    loop: asyncio.AbstractEventLoop, fd: int, transports: list[asyncio.BaseTransport]
+) -> asyncio.StreamWriter:
+    transport, protocol = await loop.connect_write_pipe(
+        lambda: asyncio.streams.FlowControlMixin(loop=loop),
+        open(fd, "wb", buffering=0),  # noqa: SIM115  # the transport owns and closes it
+    )
+    transports.append(transport)
+    return asyncio.StreamWriter(transport, protocol, None, loop)
+
+
+async def _send(sock: socket.socket, message: bytes, fds: list[int]) -> None:
+    while True:
+        try:
+            socket.send_fds(sock, [message], fds)
+            return
+        except BlockingIOError:
+            await wait_writable(sock)
