@@ -24,6 +24,15 @@ The relay ends when both directions have ended, when ``idle_timeout_s`` passes w
 either way, or at the first error (a reset, a write to a closed peer): then both sockets are
 reset (``SO_LINGER`` 0), so a peer never mistakes a broken tunnel for a clean end of stream.
 
+Pacing: a socket whose peer is on loopback (the client's leg always is: the sandbox reaches the
+proxy through a loopback listener) is switched to Reno congestion control before relaying.
+Where the host's default is BBR (as on the 2-vCPU benchmark VM), every sender paces its segments
+with a timer, which on loopback only adds timer wake-ups and idle gaps: there is no queue to spare.
+Reno does not pace, and it is the one algorithm every process may choose. Measured on the
+benchmark VM (200 MiB through the CONNECT tunnel, interleaved rounds): 1.66-1.76 GB/s paced,
+1.93-2.12 GB/s unpaced, and about 0.7 instead of 0.97 CPU-s/GiB for the whole transfer. A leg to
+another host keeps the host's choice.
+
 Fallback: where `os.splice` is missing or refuses a descriptor (``EINVAL``/``ENOSYS``), the
 direction copies with ``recv``/``send`` instead (the spike's C, 0.55-0.59x); one code path
 chooses per direction, at its first splice.
@@ -38,13 +47,22 @@ import contextlib
 import enum
 import errno
 import fcntl
+import ipaddress
 import os
 import socket
 import struct
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["PIPE_BYTES", "RelayOutcome", "RelayResult", "relay", "splice_available"]
+__all__ = [
+    "LOOPBACK_CONGESTION_CONTROL",
+    "PIPE_BYTES",
+    "RelayOutcome",
+    "RelayResult",
+    "relay",
+    "splice_available",
+    "unpace_on_loopback",
+]
 
 # One pipe per direction, resized to 1 MiB: one splice moves up to a pipe-full, and 1 MiB is the
 # default /proc/sys/fs/pipe-max-size, so an unprivileged process may ask for it. Past the user's
@@ -63,6 +81,10 @@ _F_GETPIPE_SZ: Final = getattr(fcntl, "F_GETPIPE_SZ", 1032)
 _SPLICE_FLAGS: Final = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 # splice cannot handle this descriptor (or this kernel has no splice): copy instead.
 _NO_SPLICE_ERRNOS: Final = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+# Congestion control for a leg whose peer is on loopback: Reno does not pace (see the module
+# docstring), and the kernel lets any process choose it (TCP_CONG_NON_RESTRICTED).
+LOOPBACK_CONGESTION_CONTROL: Final = b"reno"
+_TCP_CONGESTION: Final = getattr(socket, "TCP_CONGESTION", 13)
 
 
 def splice_available() -> bool:
@@ -304,6 +326,8 @@ async def relay(
     """
     loop = asyncio.get_running_loop()
     splice = splice_available() if use_splice is None else use_splice
+    for sock in (client, upstream):
+        unpace_on_loopback(sock)
     activity = _Activity(loop)
     up = _Direction(
         loop, client, upstream, prefix=to_upstream, use_splice=splice, activity=activity
@@ -339,6 +363,28 @@ async def relay(
     return RelayResult(
         outcome=outcome, to_upstream_bytes=up.moved, to_client_bytes=down.moved, error=error
     )
+
+
+def unpace_on_loopback(sock: socket.socket) -> bool:
+    """Switch a TCP socket whose peer is a loopback address to `LOOPBACK_CONGESTION_CONTROL`;
+    whether it was switched. Other sockets (another host, Unix sockets) are left alone, and so is
+    a socket the kernel does not let us switch: pacing costs speed, never correctness.
+
+    Never raises."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+        return False
+    try:
+        peer = ipaddress.ip_address(sock.getpeername()[0])
+    except (OSError, ValueError):
+        return False
+    mapped = peer.ipv4_mapped if isinstance(peer, ipaddress.IPv6Address) else None
+    if not (mapped or peer).is_loopback:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, LOOPBACK_CONGESTION_CONTROL)
+    except OSError:
+        return False
+    return True
 
 
 def _reset(sock: socket.socket) -> None:

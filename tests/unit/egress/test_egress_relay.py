@@ -1,0 +1,90 @@
+"""The relay on its own, on real loopback sockets: the congestion control of its legs."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from cc_server.egress.relay import (
+    LOOPBACK_CONGESTION_CONTROL,
+    RelayOutcome,
+    relay,
+    unpace_on_loopback,
+)
+
+TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)
+
+
+def congestion_control(sock: socket.socket) -> bytes:
+    return sock.getsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, 16).rstrip(b"\0")
+
+
+@contextlib.contextmanager
+def tcp_pair(host: str = "127.0.0.1") -> Iterator[tuple[socket.socket, socket.socket]]:
+    """Two connected TCP sockets on loopback, non-blocking."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.create_server((host, 0), family=family) as server:
+        a = socket.create_connection(server.getsockname()[:2])
+        b, _ = server.accept()
+    with a, b:
+        a.setblocking(False)
+        b.setblocking(False)
+        yield a, b
+
+
+def loopback_works(host: str) -> bool:
+    try:
+        with tcp_pair(host):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_a_loopback_socket_is_switched_to_the_unpaced_algorithm(host: str) -> None:
+    if not loopback_works(host):
+        pytest.skip(f"no loopback on {host}")
+    with tcp_pair(host) as (a, _):
+        assert unpace_on_loopback(a)
+        assert congestion_control(a) == LOOPBACK_CONGESTION_CONTROL
+
+
+def test_a_unix_socket_is_left_alone() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        assert not unpace_on_loopback(a)
+
+
+def test_an_unconnected_socket_is_left_alone() -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        before = congestion_control(sock)
+        assert not unpace_on_loopback(sock)
+        assert congestion_control(sock) == before
+
+
+async def test_the_relay_unpaces_both_loopback_legs_and_moves_every_byte() -> None:
+    data = bytes(range(256)) * 4096  # 1 MiB
+    with tcp_pair() as (client, client_proxy_end), tcp_pair() as (upstream_proxy_end, upstream):
+        loop = asyncio.get_running_loop()
+
+        async def far_ends() -> bytes:
+            await loop.sock_sendall(upstream, data)
+            upstream.shutdown(socket.SHUT_WR)
+            client.shutdown(socket.SHUT_WR)
+            got = bytearray()
+            while chunk := await loop.sock_recv(client, 65536):
+                got += chunk
+            assert await loop.sock_recv(upstream, 1) == b""
+            return bytes(got)
+
+        ends = asyncio.create_task(far_ends(), name="far ends")
+        result = await relay(client_proxy_end, upstream_proxy_end, idle_timeout_s=30)
+        assert await ends == data
+        assert result.outcome is RelayOutcome.CLOSED
+        assert result.to_client_bytes == len(data)
+        for sock in (client_proxy_end, upstream_proxy_end):
+            assert congestion_control(sock) == LOOPBACK_CONGESTION_CONTROL
