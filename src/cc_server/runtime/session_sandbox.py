@@ -60,7 +60,10 @@ def encode_request(request_id: int, command: SessionCommand) -> bytes | None:
     words = [command.cwd, *command.argv, *(f"{k}={v}" for k, v in command.env)]
     if len(command.argv) + len(command.env) > MAX_WORDS or any("\0" in w for w in words):
         return None
-    body = b"".join(w.encode("utf-8", "surrogateescape") + b"\0" for w in words)
+    try:
+        body = b"".join(os.fsencode(w) + b"\0" for w in words)
+    except UnicodeEncodeError:  # not a word exec could take either: the usual path says so
+        return None
     message = _HEADER.pack(b"X", request_id, len(command.argv), len(command.env)) + body
     return message if len(message) <= MAX_REQUEST_BYTES else None
 
