@@ -176,9 +176,13 @@ class SandboxHandle:
                 self._retired.add(current)
                 await self._close_idle(current)
             assert self.egress is not None  # a session sandbox is planned only with egress
-            self._sandbox = await SessionSandbox.start(plan, self.egress)
-            self.details["sandboxPid"] = self._sandbox.pid
-            return self._sandbox
+            sandbox = await SessionSandbox.start(plan, self.egress)
+            if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):  # destroyed meanwhile
+                await sandbox.aclose()
+                raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
+            self._sandbox = sandbox
+            self.details["sandboxPid"] = sandbox.pid
+            return sandbox
 
     async def _close_idle(self, sandbox: SessionSandbox) -> None:
         """Close `sandbox` if it was replaced, or may not be reused, and runs no command any
