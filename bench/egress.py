@@ -16,15 +16,25 @@ starts one case further along than the round before; each figure is the median o
 
 The upstream is a small threaded HTTP server in a child process on 127.0.0.1 that serves the
 payload from a temporary file in the page cache with socket.sendfile (the relay spike's server,
-shared/notes/proxy-relay-spike.md). The client is curl, one process per download
-(-w '%{speed_download}', output discarded, size and status checked) and one process per 500
-small requests (a config file of 500 URLs, `Connection: close`, every response checked). The
-session's proxies (open_session_proxies) run in this process on an asyncio loop in a thread of
-their own; the upstream and the clients are other processes and the main thread only waits for
-them (or, in the soak, reads and hashes with the GIL released), so nothing starves the loop.
+shared/notes/proxy-relay-spike.md). It sends with the host's default congestion control, as any
+server on this host would; --upstream-cc NAME makes it use another one, for the direct and the
+proxied downloads alike. Where the default paces its sends (BBR), the pacing, not the CPU, bounds
+the direct download on loopback and makes it swing from run to run (with --upstream-cc reno the
+direct download runs much faster). The relay sends its own loopback leg with Reno, which does
+not pace (see egress/relay.py); the upstream's leg is paced in the proxied downloads as in the
+direct ones. The client is curl, one process per download (-w '%{speed_download}', output
+discarded, size and status checked) and one process per 500 small requests (a config file of
+500 URLs, `Connection: close`, every response checked). The session's proxies
+(open_session_proxies) run in this process on an asyncio loop in a thread of their own; the
+upstream and the clients are other processes and the main thread only waits for them (or, in
+the soak, reads and hashes with the GIL released), so nothing starves the loop.
+
+Besides the medians it prints, per download case, the ratio to direct within each round and the
+CPU time of the proxies' thread per GiB moved (the relay's own cost; the kernel's work on the
+far side of each loopback hop is charged to whichever process sends into it).
 Targets: CONNECT and SOCKS5 download >= 0.75x direct; soak: every transfer byte-for-byte.
 
-Usage: .venv/bin/python bench/egress.py [--runs N] [--size-mib 200] [--soak]
+Usage: .venv/bin/python bench/egress.py [--runs N] [--size-mib 200] [--soak] [--upstream-cc NAME]
 """
 
 from __future__ import annotations
@@ -61,18 +71,23 @@ TARGET_RATIO = 0.75
 CURL_TIMEOUT_S = 600
 STARTUP_TIMEOUT_S = 30
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
+TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)
+DEFAULT_CC_PATH = "/proc/sys/net/ipv4/tcp_congestion_control"
 
 
 # The upstream: a child process, so its threads never compete with the proxy loop for the GIL.
 
 
-def _serve(path: str, ready: Connection) -> None:
+def _serve(path: str, congestion: str, ready: Connection) -> None:
     """Serve GET /big (the payload file; `?nolen`: no Content-Length, the body ends at EOF) and
-    GET /small (1 KiB); one thread per connection, one request per connection."""
+    GET /small (1 KiB); one thread per connection, one request per connection. `congestion`: the
+    congestion control to send with ("" for the host's default)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops us
     small = os.urandom(SMALL_BYTES)
     size = os.path.getsize(path)
     server = socket.create_server(("127.0.0.1", 0), backlog=128)
+    if congestion:  # accepted connections inherit it
+        server.setsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, congestion.encode())
     ready.send(server.getsockname()[1])
     ready.close()
     while True:
@@ -117,11 +132,12 @@ def _handle(conn: socket.socket, path: str, size: int, small: bytes) -> None:
 
 
 @contextlib.contextmanager
-def upstream(path: str) -> Iterator[int]:
+def upstream(path: str, congestion: str = "") -> Iterator[int]:
     """The upstream server for the duration of the block; yields its port on 127.0.0.1."""
     ctx = multiprocessing.get_context("spawn")
     receive, send = ctx.Pipe(duplex=False)
-    process = ctx.Process(target=_serve, args=(path, send), name="egress-bench-upstream")
+    process = ctx.Process(target=_serve, args=(path, congestion, send),
+                          name="egress-bench-upstream")
     process.start()
     send.close()
     try:
@@ -145,6 +161,8 @@ def upstream(path: str) -> Iterator[int]:
 class Proxies:
     http_port: int = 0
     socks_port: int = 0
+    thread_id: int = 0
+    """The native id of the thread the proxies run on."""
     refusals: list[EgressRefused] = field(default_factory=list)
 
 
@@ -172,6 +190,7 @@ def session_proxies() -> Iterator[Proxies]:
             await stopped.wait()
 
     def main() -> None:
+        found.thread_id = threading.get_native_id()
         try:
             asyncio.run(run())
         except BaseException as exc:
@@ -193,6 +212,21 @@ def session_proxies() -> Iterator[Proxies]:
         thread.join(STARTUP_TIMEOUT_S)
     if failure:
         raise RuntimeError("the session proxies failed") from failure[0]
+
+
+def thread_cpu_s(thread_id: int) -> float:
+    """User plus system CPU seconds of a thread of this process (procfs)."""
+    with open(f"/proc/self/task/{thread_id}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def default_congestion_control() -> str:
+    try:
+        with open(DEFAULT_CC_PATH) as cc:
+            return cc.read().strip()
+    except OSError:
+        return "unknown"
 
 
 # The clients.
@@ -277,6 +311,9 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=200, help="download size (default 200)")
     parser.add_argument("--soak", action="store_true",
                         help=f"then {SOAK_TRANSFERS} verified downloads through the tunnel")
+    parser.add_argument("--upstream-cc", default="", metavar="NAME",
+                        help="congestion control the upstream sends with (default: the host's, "
+                        f"{default_congestion_control()})")
     args = parser.parse_args()
     if args.runs < 1 or args.size_mib < 1:
         parser.error("--runs and --size-mib must be at least 1")
@@ -288,7 +325,7 @@ def main() -> int:
     try:
         payload = os.path.join(work, "payload")
         served_sha = make_payload(payload, size)
-        with upstream(payload) as port, session_proxies() as proxies:
+        with upstream(payload, args.upstream_cc) as port, session_proxies() as proxies:
             big = f"http://127.0.0.1:{port}/big"
             config = os.path.join(work, "small.curl")
             with open(config, "w") as out:
@@ -305,12 +342,15 @@ def main() -> int:
                 ("small via proxy", lambda: small_requests(config, forward)),
             ]
             samples: dict[str, list[float]] = {name: [] for name, _ in cases}
+            proxy_cpu_s: dict[str, float] = {name: 0.0 for name, _ in cases}
             for round_ in range(args.runs + 1):  # round 0 is the warm-up
                 start = round_ % len(cases)
                 for name, run in cases[start:] + cases[:start]:
+                    cpu_before = thread_cpu_s(proxies.thread_id)
                     value = run()
                     if round_:
                         samples[name].append(value)
+                        proxy_cpu_s[name] += thread_cpu_s(proxies.thread_id) - cpu_before
             soak = run_soak(f"{big}?nolen", big, connect, size, served_sha) if args.soak else None
             refusals = list(proxies.refusals)
     finally:
@@ -321,12 +361,20 @@ def main() -> int:
           f"requests; median of {args.runs} run(s) after one warm-up round, order rotated per "
           "round")
     print("client: curl (one process per download, one per 500 requests); upstream: threaded "
-          "sendfile server (child process); proxies: in-process asyncio loop (own thread)")
-    print(f"{'case':<18}{'median':>14}{'min..max':>20}{'x direct':>10}")
+          "sendfile server (child process) sending with "
+          f"{args.upstream_cc or default_congestion_control() + ' (the host default)'}; "
+          "proxies: in-process asyncio loop (own thread)")
+    print(f"{'case':<18}{'median':>14}{'min..max':>20}{'x direct':>10}  "
+          "x direct per round; proxy thread CPU")
+    gib = args.runs * size / 2**30
     for name in ("download direct", "download CONNECT", "download SOCKS5"):
         lo, hi = min(samples[name]), max(samples[name])
+        paired = [x / d for x, d in zip(samples[name], samples["download direct"], strict=True)]
+        detail = "" if name == "download direct" else (
+            f"  {' '.join(f'{r:.2f}' for r in paired)} (median {statistics.median(paired):.2f}); "
+            f"{proxy_cpu_s[name] / gib:.2f} CPU-s/GiB")
         print(f"{name:<18}{mb(med[name]) + ' MB/s':>14}{mb(lo) + '..' + mb(hi) + ' MB/s':>20}"
-              f"{med[name] / med['download direct']:>10.2f}")
+              f"{med[name] / med['download direct']:>10.2f}{detail}")
     for name in ("small direct", "small via proxy"):
         lo, hi = min(samples[name]), max(samples[name])
         print(f"{name:<18}{med[name] * 1000:>11.0f} ms{f'{lo * 1000:.0f}..{hi * 1000:.0f} ms':>20}"
