@@ -194,6 +194,12 @@ async def bench_library(work: str, workers: int, per_worker: int) -> tuple[float
         await manager.aclose()
 
 
+def _own_cpu_s() -> float:
+    """CPU seconds this process has used so far (user + system)."""
+    times = os.times()
+    return times.user + times.system
+
+
 async def warm_up(url: str, token: str, work: str) -> None:
     await bench_server(url, token, work, 1, 1, "ws")
 
@@ -232,10 +238,14 @@ async def main_async(args: argparse.Namespace) -> int:
         n = args.sandboxes * args.commands
 
         raw_wall, raw_lat = await bench_raw(bwrap, work, args.sandboxes, args.commands)
+        mine = os.times()  # the library runs in this process
         lib_wall, lib_lat = await bench_library(work, args.sandboxes, args.commands)
+        lib_cpu = _own_cpu_s() - (mine.user + mine.system)
         cpu_before = cpu_s(proc.pid)
+        mine_before = _own_cpu_s()
         create_s, srv_wall, srv_lat = await bench_server(
             url, token, work, args.sandboxes, args.commands, args.via)
+        client_cpu = _own_cpu_s() - mine_before
         cpu_after = cpu_s(proc.pid)
         after = await settle(proc.pid, idle)
 
@@ -264,6 +274,8 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"server CPU per command: {(cpu_after[0] - cpu_before[0]) / n * 1000:.1f} ms in "
               f"the server process, {(cpu_after[1] - cpu_before[1]) / n * 1000:.1f} ms in its "
               "sandboxes (bwrap, launcher, command)")
+        print(f"library CPU per command: {lib_cpu / n * 1000:.1f} ms (this process); the server's "
+              f"client: {client_cpu / n * 1000:.1f} ms (this process, sharing the CPUs with it)")
         back = after == idle
         print(f"server fds/children: idle {idle[0]}/{idle[1]}, after {after[0]}/{after[1]} "
               f"({'back to idle' if back else 'NOT back to idle'})")
