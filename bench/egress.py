@@ -20,14 +20,14 @@ shared/notes/proxy-relay-spike.md). It sends with the host's default congestion 
 server on this host would; --upstream-cc NAME makes it use another one, for the direct and the
 proxied downloads alike. Where the default paces its sends (BBR), the pacing, not the CPU, bounds
 the direct download on loopback and makes it swing from run to run (with --upstream-cc reno the
-direct download runs much faster). The relay sends its own loopback leg with Reno, which does
-not pace (see egress/relay.py); the upstream's leg is paced in the proxied downloads as in the
-direct ones. The client is curl, one process per download (-w '%{speed_download}', output
-discarded, size and status checked) and one process per 500 small requests (a config file of
-500 URLs, `Connection: close`, every response checked). The session's proxies
-(open_session_proxies) run in this process on an asyncio loop in a thread of their own; the
-upstream and the clients are other processes and the main thread only waits for them (or, in
-the soak, reads and hashes with the GIL released), so nothing starves the loop.
+direct download runs much faster). The relay tunes its own loopback leg (Reno, which does not pace,
+and a small TCP_NOTSENT_LOWAT: see egress/relay.py); the upstream's leg is paced in the proxied
+downloads as in the direct ones. The client is curl, one process per download (-w
+'%{speed_download}', output discarded, size and status checked) and one process per 500 small
+requests (a config file of 500 URLs, `Connection: close`, every response checked). The session's
+proxies (open_session_proxies) run in this process on an asyncio loop in a thread of their own; the
+upstream and the clients are other processes and the main thread only waits for them (or, in the
+soak, reads and hashes with the GIL released), so nothing starves the loop.
 
 Besides the medians it prints, per download case, the ratio to direct within each round and the
 CPU time of the proxies' thread per GiB moved (the relay's own cost; the kernel's work on the

@@ -1,4 +1,4 @@
-"""The relay on its own, on real loopback sockets: the congestion control of its legs."""
+"""The relay on its own, on real loopback sockets: the settings of its loopback legs."""
 
 from __future__ import annotations
 
@@ -11,16 +11,27 @@ import pytest
 
 from cc_server.egress.relay import (
     LOOPBACK_CONGESTION_CONTROL,
+    LOOPBACK_NOTSENT_LOWAT_BYTES,
     RelayOutcome,
     relay,
-    unpace_on_loopback,
+    tune_loopback_leg,
 )
 
 TCP_CONGESTION = getattr(socket, "TCP_CONGESTION", 13)
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 
 
 def congestion_control(sock: socket.socket) -> bytes:
     return sock.getsockopt(socket.IPPROTO_TCP, TCP_CONGESTION, 16).rstrip(b"\0")
+
+
+def notsent_lowat(sock: socket.socket) -> int:
+    return sock.getsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT)
+
+
+def assert_tuned(sock: socket.socket) -> None:
+    assert congestion_control(sock) == LOOPBACK_CONGESTION_CONTROL
+    assert notsent_lowat(sock) == LOOPBACK_NOTSENT_LOWAT_BYTES
 
 
 @contextlib.contextmanager
@@ -45,28 +56,28 @@ def loopback_works(host: str) -> bool:
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
-def test_a_loopback_socket_is_switched_to_the_unpaced_algorithm(host: str) -> None:
+def test_a_loopback_socket_gets_the_loopback_settings(host: str) -> None:
     if not loopback_works(host):
         pytest.skip(f"no loopback on {host}")
     with tcp_pair(host) as (a, _):
-        assert unpace_on_loopback(a)
-        assert congestion_control(a) == LOOPBACK_CONGESTION_CONTROL
+        assert tune_loopback_leg(a)
+        assert_tuned(a)
 
 
 def test_a_unix_socket_is_left_alone() -> None:
     a, b = socket.socketpair()
     with a, b:
-        assert not unpace_on_loopback(a)
+        assert not tune_loopback_leg(a)
 
 
 def test_an_unconnected_socket_is_left_alone() -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        before = congestion_control(sock)
-        assert not unpace_on_loopback(sock)
-        assert congestion_control(sock) == before
+        before = congestion_control(sock), notsent_lowat(sock)
+        assert not tune_loopback_leg(sock)
+        assert (congestion_control(sock), notsent_lowat(sock)) == before
 
 
-async def test_the_relay_unpaces_both_loopback_legs_and_moves_every_byte() -> None:
+async def test_the_relay_tunes_both_loopback_legs_and_moves_every_byte() -> None:
     data = bytes(range(256)) * 4096  # 1 MiB
     with tcp_pair() as (client, client_proxy_end), tcp_pair() as (upstream_proxy_end, upstream):
         loop = asyncio.get_running_loop()
@@ -87,4 +98,4 @@ async def test_the_relay_unpaces_both_loopback_legs_and_moves_every_byte() -> No
         assert result.outcome is RelayOutcome.CLOSED
         assert result.to_client_bytes == len(data)
         for sock in (client_proxy_end, upstream_proxy_end):
-            assert congestion_control(sock) == LOOPBACK_CONGESTION_CONTROL
+            assert_tuned(sock)
