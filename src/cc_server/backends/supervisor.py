@@ -82,17 +82,19 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 2  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 3  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
 GUEST_LAUNCHER: Final = "/run/cc-create/launcher"  # where the sandbox sees the launcher
 SELFTEST_TIMEOUT_S: Final = 10.0  # one fork and one notification; milliseconds normally
 LISTENER_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's listener arriving
-# Worker threads per sandboxed command: with two, a slow open does not hold up the next one (FIFO
-# waits go to helper threads), and one is ready for the next call while the other waits for its fd
-# to be installed: one alone measured ~55 us per create where two took ~36 (tmpfs, 2 vCPUs).
-WORKERS: Final = 2
+# Worker threads per sandboxed command. One: an open is answered with the task kept on the
+# worker's CPU (see reply_fd_here in native/supervisor.c), so the worker is back before the task's
+# next call and nothing waits for a second one; a second idle worker is only woken with the first
+# for every call. Measured on ext4, 2 vCPUs, tar x of 10,000 files: ~26-31 us added per create
+# with one worker, ~36-38 with two. FIFO waits go to helper threads either way.
+WORKERS: Final = 1
 REPORT_PIPE_BYTES: Final = 1 << 20  # room for ~500 refusals the event loop has not read yet
 
 # Trapped unconditionally (open and openat only with O_CREAT). Names a libseccomp build does not
@@ -270,11 +272,13 @@ class SupervisorStats:
     sync_wake: bool
     """The kernel wakes the task and the supervisor on the waker's CPU
     (`SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP`, Linux 6.6+)."""
+    replies_here: int
+    """Opens answered with the task kept on the worker's CPU for the fd's installation."""
 
 
 Report = CreateRefused | SupervisorFault
 _LENGTH = struct.Struct("<I")
-_NSTATS: Final = 7  # ccs_stats fills this many counters
+_NSTATS: Final = 8  # ccs_stats fills this many counters
 
 
 class _Handle(ctypes.c_void_p):
@@ -350,8 +354,12 @@ class CreateRuleSupervisor:
         library: str,
         workers: int = WORKERS,
         sync_wake: bool = True,
+        reply_here: bool = True,
     ) -> CreateRuleSupervisor:
         """Supervise `listener` (taken over, closed on failure too) for names matching `globs`.
+
+        `sync_wake` asks the kernel to wake the task and the workers on each other's CPU;
+        `reply_here` keeps the task on the worker's CPU while an opened file is handed to it.
 
         Raises:
             EnforcementFailed: the library could not be loaded or its workers not started.
@@ -366,9 +374,8 @@ class CreateRuleSupervisor:
         with contextlib.suppress(OSError):  # a smaller pipe only means reports drop sooner
             fcntl_setpipe_sz(write_fd, REPORT_PIPE_BYTES)
         error = ctypes.create_string_buffer(256)
-        handle = lib.ccs_start(
-            listener, blob, len(blob), write_fd, workers, 1 if sync_wake else 0, error, 256
-        )
+        flags = (1 if sync_wake else 0) | (2 if reply_here else 0)
+        handle = lib.ccs_start(listener, blob, len(blob), write_fd, workers, flags, error, 256)
         if not handle:  # the library closed the listener and the pipe's write end
             os.close(read_fd)
             raise EnforcementFailed(
@@ -405,6 +412,7 @@ class CreateRuleSupervisor:
             busy_s=out[4] / 1e9,
             cache_hits=out[5],
             sync_wake=bool(out[6]),
+            replies_here=out[7],
         )
 
     def close(self) -> list[Report]:

@@ -65,6 +65,7 @@ class Launch:
         *,
         supervise: bool = True,
         workers: int = 3,
+        reply_here: bool = True,
         env: dict[str, str] | None = None,
     ) -> None:
         ours, theirs = socket.socketpair()
@@ -90,7 +91,7 @@ class Launch:
         self.supervisor: CreateRuleSupervisor | None = None
         if supervise:
             self.supervisor = CreateRuleSupervisor.start(
-                fds[0], globs, library=LIBRARY, workers=workers
+                fds[0], globs, library=LIBRARY, workers=workers, reply_here=reply_here
             )
 
     def finish(self) -> Supervised:

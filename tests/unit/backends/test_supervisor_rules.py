@@ -307,7 +307,10 @@ def test_relative_paths_follow_the_threads_own_cwd_and_dirfd(tmp_path: pathlib.P
     }  # fmt: skip
 
 
-def test_a_fifo_without_a_reader_does_not_stall_other_creates(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("workers", [1, 3])  # 1: what a sandbox runs
+def test_a_fifo_without_a_reader_does_not_stall_other_creates(
+    tmp_path: pathlib.Path, workers: int
+) -> None:
     # One process blocks writing a FIFO nobody reads yet; meanwhile another creates files.
     script = """
         mkfifo fifo
@@ -318,7 +321,7 @@ def test_a_fifo_without_a_reader_does_not_stall_other_creates(tmp_path: pathlib.
         cat fifo > got
         wait
     """
-    result = sh(textwrap.dedent(script), str(tmp_path))
+    result = sh(textwrap.dedent(script), str(tmp_path), workers=workers)
     assert result.returncode == 0, result
     assert (tmp_path / "got").read_text() == "hello\n"
     assert (tmp_path / "other-3").read_text() == "3\n"

@@ -22,9 +22,13 @@
  *      pinned parent directory fd and the final name, which is the name that is checked and
  *      the only name the emulation can create (every *at call below uses that fd and name, and
  *      opens add O_NOFOLLOW).
- *   3. emulate: openat (then SECCOMP_IOCTL_NOTIF_ADDFD with ADDFD_FLAG_SEND), renameat2,
- *      linkat, symlinkat, mknodat, mkdirat, bind (on the process's own socket, fetched with
- *      pidfd_getfd). A refused name gets EACCES and one "refused" record on the report pipe.
+ *      An open whose path holds no symlink, no magic link and no ".." above its start, and
+ *      whose name matches no glob, takes a shortcut with the same result: one openat2 with
+ *      RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH (open_beneath).
+ *   3. emulate: openat (then hand the fd over with SECCOMP_IOCTL_NOTIF_ADDFD, on this CPU:
+ *      reply_fd_here), renameat2, linkat, symlinkat, mknodat, mkdirat, bind (on the process's
+ *      own socket, fetched with pidfd_getfd). A refused name gets EACCES and one "refused"
+ *      record on the report pipe.
  *
  * Credentials: worker threads drop every capability (per-thread, permanently) and keep the
  * server's uid and gids, which are the sandbox's own (bwrap maps exactly one uid and gid); a
@@ -35,10 +39,11 @@
  * stays true: none creates a name, and each is let run (SECCOMP_USER_NOTIF_FLAG_CONTINUE) once
  * noted (see state_change). Every call that can create a name is emulated, never continued.
  *
- * Threads: every idle worker polls the listener (the kernel wakes pollers on the trapping
- * task's CPU when SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP took); one takes each notification (poll
- * with no timeout + RECV under a mutex, so RECV never blocks) and handles it outside the lock.
- * While one waits for its fd to be installed, another is ready for the next call. An open of
+ * Threads: the server starts one worker per sandboxed command (more are possible: every idle
+ * worker polls the listener and one takes each notification, with poll + RECV under a mutex so
+ * RECV never blocks). The kernel wakes a poller on the trapping task's CPU when
+ * SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP took, and an open is answered with the task kept on that
+ * CPU (reply_fd_here), so a create costs no wake-up of another (idle, halted) vCPU. An open of
  * an existing FIFO that would block is finished by a detached helper thread, so no FIFO can
  * stall the workers; a helper whose process died, or that is still waiting when the supervisor
  * stops, is released by opening its FIFO O_RDWR once.
@@ -84,7 +89,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CCS_ABI_VERSION 2
+#define CCS_ABI_VERSION 3
 
 #ifndef SECCOMP_ADDFD_FLAG_SEND
 #define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
@@ -165,7 +170,9 @@ struct ccs {
         mode_t want; /* the umask it sets */
     } pending[MAX_PENDING];
     atomic_ullong cache_hits;
+    atomic_ullong replies_here; /* opens answered with the task kept on the worker's CPU */
     bool sync_wake; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP was accepted */
+    bool reply_here; /* answer opens on the worker's CPU (reply_fd_here) */
 };
 
 struct helper {
@@ -213,6 +220,8 @@ struct resolved {
 };
 
 static __thread mode_t thread_umask = (mode_t)-1;
+static __thread cpu_set_t worker_cpus; /* the worker's own affinity, read when it starts */
+static __thread bool worker_cpus_known;
 
 /* Per worker: what was read of the tasks seen last. A task's next call then costs one
  * pidfd_send_signal instead of a 9 us read of /proc/<tid>/status, as long as:
@@ -365,8 +374,73 @@ static void respond(struct ccs *s, uint64_t id, int64_t val, int err) {
     ioctl(s->listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
 }
 
+/*
+ * Hand `fd` to the task as its open's result, keeping the task on this CPU. The kernel wakes the
+ * task for SECCOMP_IOCTL_NOTIF_ADDFD with an ordinary wake-up, never on the waker's CPU (the sync
+ * wake-up flag covers only the notification and SECCOMP_IOCTL_NOTIF_SEND), so the scheduler puts
+ * it on another CPU whenever one is idle; and an idle vCPU here halts, so that wake-up costs
+ * ~20 us. For the wake-up only, the task and this worker are allowed this CPU alone:
+ *   1. pin this worker, then the task (asleep in its call), to the CPU this worker runs on;
+ *   2. SECCOMP_IOCTL_NOTIF_ADDFD without ADDFD_FLAG_SEND: the task wakes here, installs the fd
+ *      and goes back to waiting for the answer (WAIT_KILLABLE_RECV: only a fatal signal ends
+ *      that wait), and wakes this worker, also here;
+ *   3. give the task back the affinity it had and this worker its own;
+ *   4. SECCOMP_IOCTL_NOTIF_SEND with the fd number: a sync wake-up, on this CPU.
+ * The task never runs its own code while pinned: it is asleep in the call from step 1 to step
+ * 4, so no child it forks and no exec inherits the pin. While it sleeps another of its threads
+ * could see (or change, and then lose the change to step 3) its affinity. Returns false when
+ * nothing was done: the caller answers with ADDFD_FLAG_SEND instead. Our copy of `fd` is closed
+ * when true.
+ */
+static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cloexec) {
+    if (!s->reply_here || !worker_cpus_known)
+        return false;
+    int cpu = sched_getcpu();
+    cpu_set_t task_cpus, here;
+    /* A task already held to one CPU, or kept off this one, is left alone. */
+    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &worker_cpus) ||
+        sched_getaffinity(tid, sizeof task_cpus, &task_cpus) < 0 || !CPU_ISSET(cpu, &task_cpus) ||
+        CPU_COUNT(&task_cpus) < 2)
+        return false;
+    CPU_ZERO(&here);
+    CPU_SET(cpu, &here);
+    if (sched_setaffinity(0, sizeof here, &here) < 0)
+        return false;
+    if (sched_setaffinity(tid, sizeof here, &here) < 0) {
+        sched_setaffinity(0, sizeof worker_cpus, &worker_cpus);
+        return false;
+    }
+    struct seccomp_notif_addfd addfd;
+    memset(&addfd, 0, sizeof addfd);
+    addfd.id = id;
+    addfd.srcfd = (uint32_t)fd;
+    addfd.newfd_flags = cloexec ? O_CLOEXEC : 0;
+    int installed = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
+    int err = errno;
+    if (sched_setaffinity(tid, sizeof task_cpus, &task_cpus) < 0 && errno != ESRCH) {
+        /* Its cpuset changed meanwhile: every CPU it may use, rather than this one alone. */
+        cpu_set_t all;
+        memset(&all, 0xff, sizeof all);
+        if (sched_setaffinity(tid, sizeof all, &all) < 0 && errno != ESRCH) {
+            atomic_fetch_add(&s->errors, 1);
+            report(s, KIND_ERROR, "openat", "", "", "cannot give the task its CPU affinity back");
+        }
+    }
+    sched_setaffinity(0, sizeof worker_cpus, &worker_cpus);
+    close(fd);
+    if (installed >= 0) {
+        atomic_fetch_add(&s->replies_here, 1);
+        respond(s, id, installed, 0);
+    } else if (err != ENOENT && err != ESRCH) { /* gone: nothing waits for the answer */
+        respond(s, id, 0, err); /* e.g. EMFILE: the task's fd limit */
+    }
+    return true;
+}
+
 /* Hand `fd` to the task as the syscall's result; our copy is closed. */
-static void respond_fd(struct ccs *s, uint64_t id, int fd, bool cloexec) {
+static void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cloexec) {
+    if (tid > 0 && reply_fd_here(s, id, tid, fd, cloexec))
+        return;
     struct seccomp_notif_addfd addfd;
     memset(&addfd, 0, sizeof addfd);
     addfd.id = id;
@@ -760,8 +834,10 @@ static bool is_procfs_root(int fd, bool *in_procfs) {
     return *in_procfs && fstat(fd, &st) == 0 && st.st_ino == PROC_ROOT_INO;
 }
 
-/* The directory a relative path starts from: the thread's cwd or the task's fd. */
-static int start_dir(struct req *q, int dirfd, const char *path, int *out) {
+/* The directory a path starts from: the task's root, the thread's cwd or the task's fd. A fd
+ * that is not a directory is ENOTDIR here only with `check_dir` (a lookup from it fails with
+ * ENOTDIR anyway). */
+static int start_dir(struct req *q, int dirfd, const char *path, bool check_dir, int *out) {
     if (path[0] == '/')
         return get_root(q, out);
     if (dirfd == AT_FDCWD) {
@@ -782,7 +858,7 @@ static int start_dir(struct req *q, int dirfd, const char *path, int *out) {
             return errno == ENOENT ? EBADF : errno;
     }
     struct stat st;
-    if (fstat(*out, &st) < 0 || !S_ISDIR(st.st_mode)) {
+    if (check_dir && (fstat(*out, &st) < 0 || !S_ISDIR(st.st_mode))) {
         close_fd(out);
         return ENOTDIR;
     }
@@ -862,7 +938,7 @@ static int resolve(struct req *q, int dirfd, const char *path, bool follow_final
         err = ENOENT;
         goto done;
     }
-    err = start_dir(q, dirfd, path, &cur);
+    err = start_dir(q, dirfd, path, true, &cur);
     if (err)
         goto done;
     err = resolve_fast(cur, path, follow_final, out);
@@ -1080,7 +1156,7 @@ static void open_fifo(struct req *q, int obj_fd, int flags) {
             if (!(flags & O_NONBLOCK))
                 fcntl(fd, F_SETFL, flags & (O_APPEND | O_DIRECT | O_NOATIME));
             close(obj_fd);
-            respond_fd(s, q->n->id, fd, cloexec);
+            respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, cloexec);
             return;
         }
         if ((flags & O_NONBLOCK) || errno != ENXIO) {
@@ -1151,7 +1227,7 @@ static void *fifo_helper(void *arg) {
     close(h->obj_fd);
     pthread_mutex_unlock(&s->lock);
     if (fd >= 0)
-        respond_fd(s, h->id, fd, h->cloexec);
+        respond_fd(s, h->id, 0, fd, h->cloexec); /* a helper keeps no CPU affinity to give */
     else
         respond(s, h->id, 0, err);
     pthread_mutex_lock(&s->lock);
@@ -1180,6 +1256,68 @@ static void rescue_helpers(struct ccs *s, bool all) {
 
 static const int SETFL_KEEP = O_APPEND | O_DIRECT | O_NOATIME;
 
+/*
+ * The fast path of an open with O_CREAT, and the common one: when no symlink, no procfs magic
+ * link and no ".." above the start lies on the path, one openat2 from the start directory with
+ * RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH and O_NOFOLLOW opens (and
+ * creates) it. That is what resolve() then openat() on its parent do, in one call instead of
+ * three: the only name it can create is the path's last component, which is the name checked.
+ * Returns true when the call has been answered; false when nothing was created and the full
+ * path must be taken (a symlink or ".." in the way, a FIFO or socket, flags openat2 rejects, or
+ * a name that matches a glob: the walk tells a missing parent from a missing name).
+ */
+static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, mode_t mode) {
+    struct ccs *s = q->s;
+    size_t len = strlen(path);
+    if ((flags & O_PATH) || len == 0 || path[len - 1] == '/')
+        return false;
+    const char *slash = strrchr(path, '/');
+    const char *name = slash ? slash + 1 : path;
+    const char *glob;
+    if (strlen(name) > NAME_MAX || strcmp(name, ".") == 0 || strcmp(name, "..") == 0 ||
+        glob_match(s, name, &glob))
+        return false;
+    int start;
+    int err = start_dir(q, dirfd, path, false, &start);
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return true;
+    }
+    const char *rel = path;
+    while (*rel == '/')
+        rel++;
+    /* As in do_open's walk: O_NONBLOCK keeps an existing FIFO from blocking this worker (with
+     * O_EXCL the name cannot exist). */
+    int f = flags | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
+    if (!(flags & O_EXCL))
+        f |= O_NONBLOCK;
+    struct open_how how = {
+        .flags = (uint64_t)(unsigned)f,
+        .mode = mode & 07777, /* openat2 refuses other bits; open(2) drops them */
+        .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH,
+    };
+    int fd = (int)syscall(SYS_openat2, start, rel, &how, sizeof how);
+    err = fd < 0 ? errno : 0;
+    close(start);
+    if (err == ELOOP || err == EXDEV || err == EAGAIN || err == ENOSYS || err == E2BIG ||
+        err == EINVAL || err == ENXIO)
+        return false;
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return true;
+    }
+    struct stat st;
+    if ((flags & O_ACCMODE) == O_RDONLY && !(flags & O_NONBLOCK) &&
+        (fstat(fd, &st) < 0 || S_ISFIFO(st.st_mode))) {
+        close(fd); /* a FIFO that must wait for a writer: open_fifo, from the walk */
+        return false;
+    }
+    if (!(flags & O_NONBLOCK) && !(flags & O_EXCL))
+        fcntl(fd, F_SETFL, flags & SETFL_KEEP);
+    respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, flags & O_CLOEXEC);
+    return true;
+}
+
 static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mode) {
     struct ccs *s = q->s;
     char path[PATH_MAX];
@@ -1191,6 +1329,8 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
         return;
     }
     set_umask(q->ti.umask);
+    if (open_beneath(q, dirfd, path, flags, mode))
+        return;
     bool cloexec = flags & O_CLOEXEC;
     bool opath = flags & O_PATH;
     bool follow = opath ? !(flags & O_NOFOLLOW) : !(flags & (O_EXCL | O_NOFOLLOW));
@@ -1277,7 +1417,7 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
     }
     if (!(flags & O_NONBLOCK) && !(flags & O_EXCL) && !opath)
         fcntl(fd, F_SETFL, flags & SETFL_KEEP);
-    respond_fd(s, q->n->id, fd, cloexec);
+    respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, cloexec);
 }
 
 /* A name about to be created by mknod, mkdir, symlink, link or bind: checked, then made. */
@@ -1742,6 +1882,7 @@ static void *worker(void *arg) {
         return NULL;
 
     tid_cache_init();
+    worker_cpus_known = sched_getaffinity(0, sizeof worker_cpus, &worker_cpus) == 0;
     struct seccomp_notif notif;
     while (!atomic_load(&s->stopping)) {
         struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
@@ -1760,15 +1901,21 @@ static void *worker(void *arg) {
         if (p[0].revents & POLLIN) {
             /* Every idle worker wakes for a notification; one takes it. POLLIN again under the
              * lock means one is still waiting, so RECV cannot block (a blocked RECV could not
-             * see stop_fd). */
+             * see stop_fd). A worker alone needs neither: nobody else takes it, and a
+             * notification whose task died meanwhile makes RECV fail with ENOENT. */
             bool got = false;
-            pthread_mutex_lock(&s->recv_lock);
-            struct pollfd again = {.fd = s->listener, .events = POLLIN};
-            if (poll(&again, 1, 0) == 1 && (again.revents & POLLIN)) {
+            if (s->nworkers == 1) {
                 memset(&notif, 0, sizeof notif); /* RECV refuses a buffer that is not zeroed */
                 got = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_RECV, &notif) == 0;
+            } else {
+                pthread_mutex_lock(&s->recv_lock);
+                struct pollfd again = {.fd = s->listener, .events = POLLIN};
+                if (poll(&again, 1, 0) == 1 && (again.revents & POLLIN)) {
+                    memset(&notif, 0, sizeof notif);
+                    got = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_RECV, &notif) == 0;
+                }
+                pthread_mutex_unlock(&s->recv_lock);
             }
-            pthread_mutex_unlock(&s->recv_lock);
             if (!got)
                 continue; /* another worker took it, or the task died (ENOENT) */
             struct timespec t0, t1;
@@ -1818,7 +1965,8 @@ int ccs_abi_version(void) { return CCS_ABI_VERSION; }
  * bytes of NUL-terminated glob patterns. Records go to `report_fd` (taken over; should be
  * non-blocking: a full pipe drops the record and counts it). `flags` bit 0: ask the kernel to
  * wake the task on the supervisor's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP, 6.6+; ignored when
- * unsupported). Returns NULL with a message in `err` on failure (then both fds are closed).
+ * unsupported); bit 1: answer opens with the task kept on the worker's CPU (reply_fd_here).
+ * Returns NULL with a message in `err` on failure (then both fds are closed).
  */
 struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int report_fd,
                       int nworkers, unsigned flags, char *err, size_t errlen) {
@@ -1882,6 +2030,7 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
         unsigned long long f = SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP;
         s->sync_wake = ioctl(listener, SECCOMP_IOCTL_NOTIF_SET_FLAGS, f) == 0;
     }
+    s->reply_here = flags & 2;
     s->threads = calloc((size_t)nworkers, sizeof(pthread_t));
     if (!s->threads)
         goto oom;
@@ -1959,8 +2108,9 @@ int ccs_finished(struct ccs *s) { return atomic_load(&s->stopping); }
 
 /* Counters: handled notifications, refusals, errors, dropped reports, the nanoseconds the
  * workers spent handling notifications (from RECV to the answer), calls answered from the task
- * cache, and whether the kernel took SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1 or 0). */
-void ccs_stats(struct ccs *s, unsigned long long out[7]) {
+ * cache, whether the kernel took SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP (1 or 0), and opens answered
+ * with the task kept on the worker's CPU. */
+void ccs_stats(struct ccs *s, unsigned long long out[8]) {
     out[0] = atomic_load(&s->handled);
     out[1] = atomic_load(&s->refused);
     out[2] = atomic_load(&s->errors);
@@ -1968,4 +2118,5 @@ void ccs_stats(struct ccs *s, unsigned long long out[7]) {
     out[4] = atomic_load(&s->busy_ns);
     out[5] = atomic_load(&s->cache_hits);
     out[6] = s->sync_wake;
+    out[7] = atomic_load(&s->replies_here);
 }

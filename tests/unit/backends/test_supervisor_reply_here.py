@@ -1,0 +1,146 @@
+"""The supervisor's fast paths against the real kernel, with one worker as a sandbox runs it.
+
+An open is answered with the task held on the worker's CPU while its fd is installed: the task
+must never run its own code with that affinity (nor fork or exec with it). An open whose path
+has no symlink and no ".." above its start is done in one openat2: it must agree with the full
+walk on every result, errno and report.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import textwrap
+
+import pytest
+from supervisor_kit import Launch, py
+
+pytestmark = pytest.mark.integration
+
+ONE_WORKER = 1  # what CreateRuleSupervisor.start uses in a sandbox (supervisor.WORKERS)
+
+
+def _names(root: pathlib.Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+AFFINITY_CHECK = textwrap.dedent(
+    """
+    import os, sys
+    want = set(map(int, sys.argv[1].split(",")))
+    os.sched_setaffinity(0, want)
+    bad = 0
+    for i in range(300):
+        os.close(os.open(f"f{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        bad += os.sched_getaffinity(0) != want
+        if i % 30 == 0:  # a child forked right after the create: its mask is inherited
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0 if os.sched_getaffinity(0) == want else 1)
+            bad += os.waitpid(pid, 0)[1] != 0
+    print(bad)
+    """
+)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to hold a task to one")
+@pytest.mark.parametrize("cpus", ["all", "two"])
+def test_a_create_leaves_the_tasks_affinity_as_it_was(tmp_path: pathlib.Path, cpus: str) -> None:
+    mine = sorted(os.sched_getaffinity(0))
+    if cpus == "two" and len(mine) < 3:
+        pytest.skip("a two-CPU subset differs from the whole set only with three CPUs or more")
+    want = mine if cpus == "all" else mine[:2]
+    (tmp_path / "check.py").write_text(AFFINITY_CHECK)
+    launch = Launch(
+        ["/usr/bin/python3", "check.py", ",".join(map(str, want))],
+        str(tmp_path),
+        workers=ONE_WORKER,
+    )
+    assert launch.supervisor is not None
+    assert launch.proc.wait(timeout=60) == 0
+    stats = launch.supervisor.stats()
+    result = launch.finish()
+    assert result.stdout.split() == ["0"], result
+    assert result.faults == [] and result.refused == []
+    assert stats.replies_here > 0, stats  # the path under test was taken
+
+
+def test_without_reply_here_every_open_still_gets_its_fd(tmp_path: pathlib.Path) -> None:
+    script = "for i in 1 2 3; do echo $i > f$i; done"
+    launch = Launch(["/bin/sh", "-c", script], str(tmp_path), workers=ONE_WORKER, reply_here=False)
+    assert launch.supervisor is not None
+    assert launch.proc.wait(timeout=30) == 0
+    stats = launch.supervisor.stats()
+    result = launch.finish()
+    assert result.returncode == 0 and result.faults == [], result
+    assert (tmp_path / "f3").read_text() == "3\n"
+    assert stats.replies_here == 0 and stats.handled >= 3, stats
+
+
+ONE_CALL_CASES = textwrap.dedent(
+    """
+    import errno, os
+    os.umask(0o022)
+    os.mkdir("sub"); os.mkdir("sub/deep"); os.mkdir("real")
+    os.symlink("real", "link")
+    open("file", "w").close()
+    os.mkfifo("fifo")
+    here = os.getcwd()
+    cases = {
+        "plain": lambda: os.open("a", os.O_CREAT | os.O_WRONLY),
+        "nested": lambda: os.open("sub/deep/b", os.O_CREAT | os.O_EXCL | os.O_WRONLY),
+        "dotdot_inside": lambda: os.open("sub/../c", os.O_CREAT | os.O_WRONLY),
+        "dotdot_above": lambda: os.open("../up", os.O_CREAT | os.O_WRONLY,
+                                        dir_fd=os.open("sub", os.O_RDONLY)),
+        "absolute": lambda: os.open(here + "/sub/d", os.O_CREAT | os.O_WRONLY),
+        "symlinked_parent": lambda: os.open("link/e", os.O_CREAT | os.O_WRONLY),
+        "existing": lambda: os.open("file", os.O_CREAT | os.O_WRONLY | os.O_APPEND),
+        "fifo_nonblock_no_reader": lambda: os.open("fifo", os.O_CREAT | os.O_WRONLY
+                                                   | os.O_NONBLOCK),
+        "missing_parent_pem": lambda: os.open("nope/x.pem", os.O_CREAT | os.O_EXCL
+                                              | os.O_WRONLY),
+        "through_file_pem": lambda: os.open("file/x.pem", os.O_CREAT | os.O_WRONLY),
+        "pem": lambda: os.open("sub/y.pem", os.O_CREAT | os.O_WRONLY),
+        "dirfd_file": lambda: os.open("g", os.O_CREAT | os.O_WRONLY,
+                                      dir_fd=os.open("file", os.O_RDONLY)),
+        "dirfd_bad": lambda: os.open("g", os.O_CREAT | os.O_WRONLY, dir_fd=998),
+        "type_bits_in_mode": lambda: os.open("h", os.O_CREAT | os.O_WRONLY, 0o100666),
+    }
+    for name, call in cases.items():
+        try:
+            fd = call()
+            flags = os.get_blocking(fd)
+            print(name, "ok", "blocking" if flags else "nonblocking")
+        except OSError as e:
+            print(name, errno.errorcode[e.errno], "-")
+    """
+)
+
+
+def test_one_call_opens_agree_with_the_walk(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "w").mkdir()
+    result = py(ONE_CALL_CASES, str(tmp_path / "w"), workers=ONE_WORKER)
+    assert result.returncode == 0, result
+    got = {line.split()[0]: tuple(line.split()[1:]) for line in result.stdout.splitlines()}
+    assert got == {
+        "plain": ("ok", "blocking"),
+        "nested": ("ok", "blocking"),
+        "dotdot_inside": ("ok", "blocking"),
+        "dotdot_above": ("ok", "blocking"),
+        "absolute": ("ok", "blocking"),
+        "symlinked_parent": ("ok", "blocking"),
+        "existing": ("ok", "blocking"),
+        "fifo_nonblock_no_reader": ("ENXIO", "-"),
+        "missing_parent_pem": ("ENOENT", "-"),
+        "through_file_pem": ("ENOTDIR", "-"),
+        "pem": ("EACCES", "-"),
+        "dirfd_file": ("ENOTDIR", "-"),
+        "dirfd_bad": ("EBADF", "-"),
+        "type_bits_in_mode": ("ok", "blocking"),  # open(2) ignores them; openat2 would not
+    }, result
+    assert [(r.name, r.target) for r in result.refused] == [("y.pem", "sub/y.pem")], result
+    assert result.faults == []
+    names = _names(tmp_path)
+    assert {"w/up", "w/a", "w/sub/deep/b", "w/c", "w/sub/d", "w/real/e", "w/h"} <= names
+    assert not any(n.endswith(".pem") for n in names), names
+    assert (tmp_path / "w" / "h").stat().st_mode & 0o7777 == 0o644
