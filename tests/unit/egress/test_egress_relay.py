@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import os
 import socket
 from collections.abc import Iterator
 
@@ -99,3 +101,35 @@ async def test_the_relay_tunes_both_loopback_legs_and_moves_every_byte() -> None
         assert result.to_client_bytes == len(data)
         for sock in (client_proxy_end, upstream_proxy_end):
             assert_tuned(sock)
+
+
+async def test_a_slow_reader_gets_every_byte_in_order() -> None:
+    """The loopback leg holds little unsent data (TCP_NOTSENT_LOWAT): a reader slower than the
+    upstream makes the relay wait for it, and every byte still arrives, in order."""
+    data = os.urandom(4 * 1024 * 1024)
+    with tcp_pair() as (client, client_proxy_end), tcp_pair() as (upstream_proxy_end, upstream):
+        loop = asyncio.get_running_loop()
+
+        async def upstream_sends() -> None:
+            await loop.sock_sendall(upstream, data)
+            upstream.shutdown(socket.SHUT_WR)
+            assert await loop.sock_recv(upstream, 1) == b""
+
+        async def client_reads_slowly() -> bytes:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)  # no room to hide
+            client.shutdown(socket.SHUT_WR)
+            got = bytearray()
+            while chunk := await loop.sock_recv(client, 64 * 1024):
+                got += chunk
+                await asyncio.sleep(0.002)
+            return bytes(got)
+
+        sender = asyncio.create_task(upstream_sends(), name="upstream sends")
+        reader = asyncio.create_task(client_reads_slowly(), name="client reads slowly")
+        result = await relay(client_proxy_end, upstream_proxy_end, idle_timeout_s=30)
+        await sender
+        got = await reader
+        assert result.outcome is RelayOutcome.CLOSED
+        assert len(got) == len(data)
+        assert hashlib.sha256(got).hexdigest() == hashlib.sha256(data).hexdigest()
+        assert result.to_client_bytes == len(data)
