@@ -129,6 +129,8 @@
 #define STOP_RESCUE_MS 10         /* while stopping: how often waiting helpers are released */
 #define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
+#define PIN_IDLE_MS 1             /* a worker held to one CPU for a run of opens (reply_fd_here)
+                                     gets its own affinity back after this long without a call */
 
 enum { KIND_REFUSED = 'R', KIND_ERROR = 'E' };
 
@@ -222,6 +224,15 @@ struct resolved {
 static __thread mode_t thread_umask = (mode_t)-1;
 static __thread cpu_set_t worker_cpus; /* the worker's own affinity, read when it starts */
 static __thread bool worker_cpus_known;
+static __thread int worker_held_on = -1; /* the CPU reply_fd_here holds this worker to, or -1 */
+
+/* Give this worker its own affinity back (see reply_fd_here). */
+static void worker_release_cpu(void) {
+    if (worker_held_on >= 0) {
+        sched_setaffinity(0, sizeof worker_cpus, &worker_cpus);
+        worker_held_on = -1;
+    }
+}
 
 /* Per worker: what was read of the tasks seen last. A task's next call then costs one
  * pidfd_send_signal instead of a 9 us read of /proc/<tid>/status, as long as:
@@ -380,11 +391,13 @@ static void respond(struct ccs *s, uint64_t id, int64_t val, int err) {
  * wake-up flag covers only the notification and SECCOMP_IOCTL_NOTIF_SEND), so the scheduler puts
  * it on another CPU whenever one is idle; and an idle vCPU here halts, so that wake-up costs
  * ~20 us. For the wake-up only, the task and this worker are allowed this CPU alone:
- *   1. pin this worker, then the task (asleep in its call), to the CPU this worker runs on;
+ *   1. pin this worker (unless it already is: it stays so for a run of opens and gets its own
+ *      affinity back after PIN_IDLE_MS without a call), then the task, asleep in its call, to
+ *      the CPU this worker runs on;
  *   2. SECCOMP_IOCTL_NOTIF_ADDFD without ADDFD_FLAG_SEND: the task wakes here, installs the fd
  *      and goes back to waiting for the answer (WAIT_KILLABLE_RECV: only a fatal signal ends
  *      that wait), and wakes this worker, also here;
- *   3. give the task back the affinity it had and this worker its own;
+ *   3. give the task back the affinity it had;
  *   4. SECCOMP_IOCTL_NOTIF_SEND with the fd number: a sync wake-up, on this CPU.
  * The task never runs its own code while pinned: it is asleep in the call from step 1 to step
  * 4, so no child it forks and no exec inherits the pin. While it sleeps another of its threads
@@ -404,12 +417,13 @@ static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cl
         return false;
     CPU_ZERO(&here);
     CPU_SET(cpu, &here);
-    if (sched_setaffinity(0, sizeof here, &here) < 0)
-        return false;
-    if (sched_setaffinity(tid, sizeof here, &here) < 0) {
-        sched_setaffinity(0, sizeof worker_cpus, &worker_cpus);
-        return false;
+    if (worker_held_on != cpu) {
+        if (sched_setaffinity(0, sizeof here, &here) < 0)
+            return false;
+        worker_held_on = cpu;
     }
+    if (sched_setaffinity(tid, sizeof here, &here) < 0)
+        return false;
     struct seccomp_notif_addfd addfd;
     memset(&addfd, 0, sizeof addfd);
     addfd.id = id;
@@ -426,14 +440,13 @@ static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cl
             report(s, KIND_ERROR, "openat", "", "", "cannot give the task its CPU affinity back");
         }
     }
-    sched_setaffinity(0, sizeof worker_cpus, &worker_cpus);
-    close(fd);
     if (installed >= 0) {
         atomic_fetch_add(&s->replies_here, 1);
         respond(s, id, installed, 0);
     } else if (err != ENOENT && err != ESRCH) { /* gone: nothing waits for the answer */
         respond(s, id, 0, err); /* e.g. EMFILE: the task's fd limit */
     }
+    close(fd); /* after the answer: the task need not wait for it */
     return true;
 }
 
@@ -1184,6 +1197,7 @@ static void open_fifo(struct req *q, int obj_fd, int flags) {
     pthread_t th;
     pthread_attr_t attr;
     if (room) {
+        worker_release_cpu(); /* the helper inherits this thread's affinity */
         pthread_attr_init(&attr);
         pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
         int rc = pthread_create(&th, &attr, fifo_helper, h);
@@ -1887,7 +1901,10 @@ static void *worker(void *arg) {
     while (!atomic_load(&s->stopping)) {
         struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
                               {.fd = s->stop_fd, .events = POLLIN}};
-        int r = poll(p, 2, atomic_load(&s->nhelpers) ? HELPER_POLL_MS : -1);
+        int timeout = atomic_load(&s->nhelpers) ? HELPER_POLL_MS
+                      : worker_held_on >= 0     ? PIN_IDLE_MS
+                                                : -1;
+        int r = poll(p, 2, timeout);
         if (r < 0 && errno == EINTR)
             continue;
         if (r < 0 || p[1].revents) {
@@ -1895,7 +1912,9 @@ static void *worker(void *arg) {
             break;
         }
         if (r == 0) {
-            rescue_helpers(s, false);
+            worker_release_cpu();
+            if (atomic_load(&s->nhelpers))
+                rescue_helpers(s, false);
             continue;
         }
         if (p[0].revents & POLLIN) {
