@@ -144,3 +144,35 @@ def test_one_call_opens_agree_with_the_walk(tmp_path: pathlib.Path) -> None:
     assert {"w/up", "w/a", "w/sub/deep/b", "w/c", "w/sub/d", "w/real/e", "w/h"} <= names
     assert not any(n.endswith(".pem") for n in names), names
     assert (tmp_path / "w" / "h").stat().st_mode & 0o7777 == 0o644
+
+
+DIRFD_REUSE = textwrap.dedent(
+    """
+    import os
+    for d in ("one", "two", "one/in"):
+        os.mkdir(d)
+    fd = os.open("one", os.O_RDONLY | os.O_DIRECTORY)
+    os.close(os.open("a", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    os.close(os.open("b", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    two = os.open("two", os.O_RDONLY | os.O_DIRECTORY)
+    os.dup2(two, fd)  # the same fd number, another directory
+    os.close(os.open("c", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    os.rename("one", "moved")  # the fd, not the path, is where a lookup starts
+    os.dup2(os.open("moved/in", os.O_RDONLY | os.O_DIRECTORY), fd)
+    os.close(os.open("d", os.O_CREAT | os.O_WRONLY, dir_fd=fd))
+    os.close(fd)
+    try:
+        os.open("e", os.O_CREAT | os.O_WRONLY, dir_fd=fd)
+    except OSError as e:
+        print(e.errno)
+    """
+)
+
+
+def test_a_dirfd_is_looked_up_again_when_its_number_is_reused(tmp_path: pathlib.Path) -> None:
+    result = py(DIRFD_REUSE, str(tmp_path), workers=ONE_WORKER)
+    assert result.returncode == 0, result
+    assert result.stdout.split() == ["9"]  # EBADF
+    assert _names(tmp_path) == {
+        "moved", "moved/a", "moved/b", "moved/in", "moved/in/d", "two", "two/c",
+    }  # fmt: skip

@@ -800,12 +800,20 @@ static bool same_credentials(struct ccs *s, struct task_info *ti) {
 
 /* --- path resolution in the task's view ---------------------------------------------------- */
 
-static int get_root(struct req *q, int *out) {
+/* The task's root, opened once per notification (q->root_fd, closed by handle()). */
+static int open_root(struct req *q) {
     if (q->root_fd < 0) {
         q->root_fd = openat(q->proc_fd, "root", O_PATH | O_DIRECTORY | O_CLOEXEC);
         if (q->root_fd < 0)
             return errno == ENOENT ? ESRCH : errno;
     }
+    return 0;
+}
+
+static int get_root(struct req *q, int *out) {
+    int err = open_root(q);
+    if (err)
+        return err;
     *out = fcntl(q->root_fd, F_DUPFD_CLOEXEC, 0);
     return *out < 0 ? errno : 0;
 }
@@ -1271,6 +1279,22 @@ static void rescue_helpers(struct ccs *s, bool all) {
 static const int SETFL_KEEP = O_APPEND | O_DIRECT | O_NOATIME;
 
 /*
+ * Where open_beneath starts: the task's root (q->root_fd, kept for the notification), or its
+ * thread's cwd or its dirfd (`*owned`: the caller closes it). Returns 0 or an errno.
+ */
+static int beneath_start(struct req *q, int dirfd, const char *path, int *out, bool *owned) {
+    *owned = false;
+    if (path[0] == '/') {
+        int err = open_root(q);
+        *out = q->root_fd;
+        return err;
+    }
+    int err = start_dir(q, dirfd, path, false, out);
+    *owned = !err;
+    return err;
+}
+
+/*
  * The fast path of an open with O_CREAT, and the common one: when no symlink, no procfs magic
  * link and no ".." above the start lies on the path, one openat2 from the start directory with
  * RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH and O_NOFOLLOW opens (and
@@ -1292,7 +1316,8 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
         glob_match(s, name, &glob))
         return false;
     int start;
-    int err = start_dir(q, dirfd, path, false, &start);
+    bool owned;
+    int err = beneath_start(q, dirfd, path, &start, &owned);
     if (err) {
         respond(s, q->n->id, 0, err);
         return true;
@@ -1312,7 +1337,8 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     };
     int fd = (int)syscall(SYS_openat2, start, rel, &how, sizeof how);
     err = fd < 0 ? errno : 0;
-    close(start);
+    if (owned)
+        close(start);
     if (err == ELOOP || err == EXDEV || err == EAGAIN || err == ENOSYS || err == E2BIG ||
         err == EINVAL || err == ENXIO)
         return false;
