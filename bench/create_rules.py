@@ -3,8 +3,9 @@
 
 Each workload runs inside a native sandbox twice per round, once launched with the standard
 create-time globs (.env, *.key, *.pem: the launcher, the filter and the supervisor) and once
-without, rounds interleaved so drift hits both alike. Times are taken inside the sandbox, around
-the workload only (sandbox start-up excluded), and the medians are compared:
+without, rounds interleaved so drift hits both alike, and which goes first alternating from round
+to round. Times are taken inside the sandbox, around the workload only (sandbox start-up
+excluded), and the medians are compared:
 
   unpack      tar xf of a FILES-file tarball (FILES/100 directories) into a new directory on
               the workspace's filesystem; every file is one supervised create. Target <= 2x.
@@ -112,7 +113,8 @@ async def _bench(work: str, files: int, rounds: int, library: str | None) -> int
     try:
         await _timed(plain, f"git -C {repo} status --porcelain >/dev/null", work)  # warm caches
         for rnd in range(rounds):
-            for name, handle in (("plain", plain), ("ruled", ruled)):
+            order = (("plain", plain), ("ruled", ruled))
+            for name, handle in order if rnd % 2 == 0 else order[::-1]:
                 dest = os.path.join(work, f"out-{name}-{rnd}")
                 os.mkdir(dest)
                 workloads = {
@@ -155,6 +157,8 @@ def main() -> int:
     parser.add_argument("--dir", help="where the workspace lives (default: the temp directory)")
     parser.add_argument("--library", help="the supervisor library to use (default: the probe's)")
     args = parser.parse_args()
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="cc-bench-create-", dir=args.dir)
     started = time.monotonic()
     print(f"load average at start: {_load()}")
