@@ -89,12 +89,15 @@ LIBRARY_NAME: Final = "libcc-create-supervisor.so"
 GUEST_LAUNCHER: Final = "/run/cc-create/launcher"  # where the sandbox sees the launcher
 SELFTEST_TIMEOUT_S: Final = 10.0  # one fork and one notification; milliseconds normally
 LISTENER_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's listener arriving
-# Worker threads per sandboxed command. One: an open is answered with the task kept on the
-# worker's CPU (see reply_fd_here in native/supervisor.c), so the worker is back before the task's
-# next call and nothing waits for a second one; a second idle worker is only woken with the first
-# for every call. Measured on ext4, 2 vCPUs, tar x of 10,000 files: ~26-31 us added per create
-# with one worker, ~36-38 with two. FIFO waits go to helper threads either way.
-WORKERS: Final = 1
+# Worker threads per sandboxed command. The first takes every call while one task at a time
+# makes them: an open is answered with the task kept on that worker's CPU (reply_fd_here in
+# native/supervisor.c), so the worker is back before the task's next call, and a second worker
+# polling too would only be woken with it for every call (tar x of 10,000 files on tmpfs, 2 vCPUs:
+# ~24 us added per create with the second on standby, ~38 with both polling). When calls of two
+# tasks overlap, the second joins for a while and no task is held to a CPU: two tar x at once
+# then cost what they did before the CPU hold (~0.65 s for 2 x 10,000 files), where one worker
+# alone took 0.74-1.0 s. FIFO waits go to helper threads either way.
+WORKERS: Final = 2
 REPORT_PIPE_BYTES: Final = 1 << 20  # room for ~500 refusals the event loop has not read yet
 
 # Trapped unconditionally (open and openat only with O_CREAT). Names a libseccomp build does not

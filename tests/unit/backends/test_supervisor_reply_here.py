@@ -1,4 +1,4 @@
-"""The supervisor's fast paths against the real kernel, with one worker as a sandbox runs it.
+"""The supervisor's fast paths against the real kernel, with the workers a sandbox runs.
 
 An open is answered with the task held on the worker's CPU while its fd is installed: the task
 must never run its own code with that affinity (nor fork or exec with it). An open whose path
@@ -13,11 +13,14 @@ import pathlib
 import textwrap
 
 import pytest
-from supervisor_kit import Launch, py
+from supervisor_kit import PYTHON, Launch, py, sh
+
+from cc_server.backends.supervisor import WORKERS
 
 pytestmark = pytest.mark.integration
 
-ONE_WORKER = 1  # what CreateRuleSupervisor.start uses in a sandbox (supervisor.WORKERS)
+# Every test runs the workers a sandbox runs: WORKERS, the second on standby until calls of two
+# tasks overlap.
 
 
 def _names(root: pathlib.Path) -> set[str]:
@@ -52,9 +55,9 @@ def test_a_create_leaves_the_tasks_affinity_as_it_was(tmp_path: pathlib.Path, cp
     want = mine if cpus == "all" else mine[:2]
     (tmp_path / "check.py").write_text(AFFINITY_CHECK)
     launch = Launch(
-        ["/usr/bin/python3", "check.py", ",".join(map(str, want))],
+        [PYTHON, "check.py", ",".join(map(str, want))],
         str(tmp_path),
-        workers=ONE_WORKER,
+        workers=WORKERS,
     )
     assert launch.supervisor is not None
     assert launch.proc.wait(timeout=60) == 0
@@ -67,7 +70,7 @@ def test_a_create_leaves_the_tasks_affinity_as_it_was(tmp_path: pathlib.Path, cp
 
 def test_without_reply_here_every_open_still_gets_its_fd(tmp_path: pathlib.Path) -> None:
     script = "for i in 1 2 3; do echo $i > f$i; done"
-    launch = Launch(["/bin/sh", "-c", script], str(tmp_path), workers=ONE_WORKER, reply_here=False)
+    launch = Launch(["/bin/sh", "-c", script], str(tmp_path), workers=WORKERS, reply_here=False)
     assert launch.supervisor is not None
     assert launch.proc.wait(timeout=30) == 0
     stats = launch.supervisor.stats()
@@ -119,7 +122,7 @@ ONE_CALL_CASES = textwrap.dedent(
 
 def test_one_call_opens_agree_with_the_walk(tmp_path: pathlib.Path) -> None:
     (tmp_path / "w").mkdir()
-    result = py(ONE_CALL_CASES, str(tmp_path / "w"), workers=ONE_WORKER)
+    result = py(ONE_CALL_CASES, str(tmp_path / "w"), workers=WORKERS)
     assert result.returncode == 0, result
     got = {line.split()[0]: tuple(line.split()[1:]) for line in result.stdout.splitlines()}
     assert got == {
@@ -170,9 +173,24 @@ DIRFD_REUSE = textwrap.dedent(
 
 
 def test_a_dirfd_is_looked_up_again_when_its_number_is_reused(tmp_path: pathlib.Path) -> None:
-    result = py(DIRFD_REUSE, str(tmp_path), workers=ONE_WORKER)
+    result = py(DIRFD_REUSE, str(tmp_path), workers=WORKERS)
     assert result.returncode == 0, result
     assert result.stdout.split() == ["9"]  # EBADF
     assert _names(tmp_path) == {
         "moved", "moved/a", "moved/b", "moved/in", "moved/in/d", "two", "two/c",
     }  # fmt: skip
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to hold a task to one")
+def test_tasks_creating_at_once_keep_their_affinity_and_every_file(tmp_path: pathlib.Path) -> None:
+    # Two tasks' calls overlap: the second worker joins and nobody is held to a CPU.
+    want = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    (tmp_path / "check.py").write_text(AFFINITY_CHECK)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    script = f"cd a && {PYTHON} ../check.py {want} & cd b && {PYTHON} ../check.py {want}; wait"
+    result = sh(script, str(tmp_path), workers=WORKERS)
+    assert result.returncode == 0, result
+    assert result.stdout.split() == ["0", "0"], result
+    assert result.faults == [] and result.refused == []
+    assert len(list((tmp_path / "a").iterdir())) == len(list((tmp_path / "b").iterdir())) == 300

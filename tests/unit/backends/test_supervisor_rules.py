@@ -307,7 +307,7 @@ def test_relative_paths_follow_the_threads_own_cwd_and_dirfd(tmp_path: pathlib.P
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("workers", [1, 3])  # 1: what a sandbox runs
+@pytest.mark.parametrize("workers", [1, 2, 3])  # 2: what a sandbox runs
 def test_a_fifo_without_a_reader_does_not_stall_other_creates(
     tmp_path: pathlib.Path, workers: int
 ) -> None:

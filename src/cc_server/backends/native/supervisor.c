@@ -39,14 +39,17 @@
  * stays true: none creates a name, and each is let run (SECCOMP_USER_NOTIF_FLAG_CONTINUE) once
  * noted (see state_change). Every call that can create a name is emulated, never continued.
  *
- * Threads: the server starts one worker per sandboxed command (more are possible: every idle
- * worker polls the listener and one takes each notification, with poll + RECV under a mutex so
- * RECV never blocks). The kernel wakes a poller on the trapping task's CPU when
+ * Threads: the first worker polls the listener and takes every call while they come from one
+ * task at a time. The kernel wakes it on the trapping task's CPU when
  * SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP took, and an open is answered with the task kept on that
- * CPU (reply_fd_here), so a create costs no wake-up of another (idle, halted) vCPU. An open of
- * an existing FIFO that would block is finished by a detached helper thread, so no FIFO can
- * stall the workers; a helper whose process died, or that is still waiting when the supervisor
- * stops, is released by opening its FIFO O_RDWR once.
+ * CPU (reply_fd_here), so a create costs no wake-up of another (idle, halted) vCPU. The other
+ * workers stand by: a poller more would be woken with the first for every call. When a call of
+ * another task was already waiting as the first worker finished one, tasks are trapping on
+ * several CPUs: for CROWD_MS every worker polls and takes one notification each (poll + RECV
+ * under a mutex, so RECV never blocks), and no task is held to a CPU. An open of an existing
+ * FIFO that would block is finished by a detached helper thread, so no FIFO can stall the
+ * workers; a helper whose process died, or that is still waiting when the supervisor stops, is
+ * released by opening its FIFO O_RDWR once.
  *
  * Fail-closed: anything that cannot be decoded or emulated is refused with an error; if the
  * supervisor is gone, the kernel fails every trapped call with ENOSYS.
@@ -131,6 +134,8 @@
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
 #define PIN_IDLE_MS 1             /* a worker held to one CPU for a run of opens (reply_fd_here)
                                      gets its own affinity back after this long without a call */
+#define CROWD_MS 10               /* after calls of two tasks overlap: how long every worker polls
+                                     and opens are answered without holding a task to a CPU */
 
 enum { KIND_REFUSED = 'R', KIND_ERROR = 'E' };
 
@@ -151,8 +156,11 @@ struct ccs {
     int nworkers;
     pthread_t *threads;
     pthread_mutex_t recv_lock; /* poll(0) + RECV, so a RECV never blocks */
-    pthread_mutex_t lock; /* ready counting, helpers */
+    pthread_mutex_t lock; /* ready counting, helpers, standby workers */
     pthread_cond_t cond;
+    pthread_cond_t crowd_cond; /* standby workers wait here until calls overlap (crowded) */
+    atomic_int next_worker;    /* each worker's index, in the order they start */
+    atomic_llong crowded_until; /* CLOCK_MONOTONIC ns until which calls count as overlapping */
     int ready, failed;
     char setup_error[256];
     struct helper *helpers;
@@ -225,6 +233,15 @@ static __thread mode_t thread_umask = (mode_t)-1;
 static __thread cpu_set_t worker_cpus; /* the worker's own affinity, read when it starts */
 static __thread bool worker_cpus_known;
 static __thread int worker_held_on = -1; /* the CPU reply_fd_here holds this worker to, or -1 */
+
+static long long now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+/* Whether calls of several tasks have overlapped in the last CROWD_MS (see worker()). */
+static bool crowded(struct ccs *s) { return now_ns() < atomic_load(&s->crowded_until); }
 
 /* Give this worker its own affinity back (see reply_fd_here). */
 static void worker_release_cpu(void) {
@@ -406,8 +423,8 @@ static void respond(struct ccs *s, uint64_t id, int64_t val, int err) {
  * when true.
  */
 static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cloexec) {
-    if (!s->reply_here || !worker_cpus_known)
-        return false;
+    if (!s->reply_here || !worker_cpus_known || crowded(s))
+        return false; /* tasks on several CPUs: holding them to this one would crowd it */
     int cpu = sched_getcpu();
     cpu_set_t task_cpus, here;
     /* A task already held to one CPU, or kept off this one, is left alone. */
@@ -1898,6 +1915,14 @@ static int drop_capabilities(void) {
     return (int)syscall(SYS_capset, &hdr, data);
 }
 
+/* Stop every worker: the polling ones see stop_fd, the standby ones crowd_cond. */
+static void set_stopping(struct ccs *s) {
+    pthread_mutex_lock(&s->lock);
+    atomic_store(&s->stopping, 1);
+    pthread_cond_broadcast(&s->crowd_cond);
+    pthread_mutex_unlock(&s->lock);
+}
+
 static void *worker(void *arg) {
     struct ccs *s = arg;
     prctl(PR_SET_NAME, "cc-create-sup", 0, 0, 0);
@@ -1923,18 +1948,40 @@ static void *worker(void *arg) {
 
     tid_cache_init();
     worker_cpus_known = sched_getaffinity(0, sizeof worker_cpus, &worker_cpus) == 0;
+    int index = atomic_fetch_add(&s->next_worker, 1);
+    pid_t last_tid = 0;
     struct seccomp_notif notif;
     while (!atomic_load(&s->stopping)) {
+        if (index > 0 && !crowded(s)) {
+            /* Standby: the first worker alone takes the calls of one task at a time, and a
+             * second one polling would only be woken with it for every call. */
+            worker_release_cpu();
+            pthread_mutex_lock(&s->lock);
+            while (!atomic_load(&s->stopping) && !crowded(s))
+                pthread_cond_wait(&s->crowd_cond, &s->lock);
+            pthread_mutex_unlock(&s->lock);
+            continue;
+        }
         struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
                               {.fd = s->stop_fd, .events = POLLIN}};
         int timeout = atomic_load(&s->nhelpers) ? HELPER_POLL_MS
                       : worker_held_on >= 0     ? PIN_IDLE_MS
                                                 : -1;
-        int r = poll(p, 2, timeout);
+        if (index > 0) { /* back to standby when the crowd is gone */
+            long long left = (atomic_load(&s->crowded_until) - now_ns()) / 1000000 + 1;
+            if (timeout < 0 || left < timeout)
+                timeout = left < 0 ? 0 : (int)left;
+        }
+        /* Whether a call was already waiting: then it may come from another task than the
+         * last one, while that one ran (see the crowd check below). */
+        int r = poll(p, 2, 0);
+        bool waited = r == 0;
+        if (r == 0)
+            r = poll(p, 2, timeout);
         if (r < 0 && errno == EINTR)
             continue;
         if (r < 0 || p[1].revents) {
-            atomic_store(&s->stopping, 1);
+            set_stopping(s);
             break;
         }
         if (r == 0) {
@@ -1963,6 +2010,19 @@ static void *worker(void *arg) {
             }
             if (!got)
                 continue; /* another worker took it, or the task died (ENOENT) */
+            if (!waited && (pid_t)notif.pid != last_tid) {
+                /* Another task's call waited while this worker answered the last one: tasks
+                 * are trapping on several CPUs. For CROWD_MS every worker polls, and no task is
+                 * held to this worker's CPU. */
+                long long now = now_ns();
+                if (atomic_exchange(&s->crowded_until, now + CROWD_MS * 1000000LL) <= now) {
+                    pthread_mutex_lock(&s->lock);
+                    pthread_cond_broadcast(&s->crowd_cond);
+                    pthread_mutex_unlock(&s->lock);
+                }
+                worker_release_cpu();
+            }
+            last_tid = (pid_t)notif.pid;
             struct timespec t0, t1;
             clock_gettime(CLOCK_MONOTONIC, &t0);
             handle(s, &notif);
@@ -1974,7 +2034,7 @@ static void *worker(void *arg) {
         }
         if (p[0].revents & (POLLHUP | POLLERR | POLLNVAL)) {
             /* Every task of the filter is gone. */
-            atomic_store(&s->stopping, 1);
+            set_stopping(s);
             break;
         }
     }
@@ -1992,6 +2052,7 @@ static void destroy(struct ccs *s) {
     pthread_mutex_destroy(&s->recv_lock);
     pthread_mutex_destroy(&s->lock);
     pthread_cond_destroy(&s->cond);
+    pthread_cond_destroy(&s->crowd_cond);
     free(s->globs);
     free(s->glob_blob);
     free(s->groups);
@@ -2029,6 +2090,7 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     pthread_mutex_init(&s->recv_lock, NULL);
     pthread_mutex_init(&s->lock, NULL);
     pthread_cond_init(&s->cond, NULL);
+    pthread_cond_init(&s->crowd_cond, NULL);
     if (nworkers < 1 || nworkers > 64 || globs_len == 0 || globs[globs_len - 1] != '\0') {
         snprintf(err, errlen, "bad arguments (workers %d, %zu glob bytes)", nworkers, globs_len);
         goto fail;
@@ -2120,7 +2182,7 @@ fail:
 void ccs_stop(struct ccs *s) {
     if (!s)
         return;
-    atomic_store(&s->stopping, 1);
+    set_stopping(s);
     uint64_t one = 1;
     if (write(s->stop_fd, &one, sizeof one) < 0) {
         /* cannot fail for an eventfd below its maximum; the flag is set anyway */
