@@ -33,6 +33,9 @@ LEFTOVERS = {
     "nohup": "nohup /bin/sh -c {body} </dev/null >/dev/null 2>&1 &",
     "double-fork": "( ( /bin/sh -c {body} </dev/null >/dev/null 2>&1 & ) & )",
     "holds-stdout": "( /bin/sh -c {body} & )",
+    # Still forking while its keeper kills: every new process must be found too.
+    "fork-loop": "( /bin/sh -c {body} & while :; do (sleep 300 &); done ) "
+    "</dev/null >/dev/null 2>&1 &",
 }
 
 

@@ -404,8 +404,15 @@ static void keeper(const char *cwd, char **argv, char **envp, const int fds[3],
      * next one. */
     for (;;) {
         kill_descendants(getpid(), 0);
-        pid_t reaped = waitpid(-1, NULL, 0);
+        /* Reap every one already dead before walking again (one walk per reaped process would
+         * be quadratic in what a fork loop leaves); wait only when none is dead yet. */
+        pid_t reaped;
+        int any = 0;
+        while ((reaped = waitpid(-1, NULL, WNOHANG)) > 0)
+            any = 1;
         if (reaped < 0 && errno == ECHILD)
+            break;
+        if (!any && waitpid(-1, NULL, 0) < 0 && errno == ECHILD)
             break;
     }
     _exit(code);
