@@ -255,7 +255,7 @@ class SessionSandbox:
             return None
         if not self._alive:
             raise EnforcementFailed("the session's sandbox has ended; the command was not run")
-        self._next_id += 1
+        self._next_id = self._next_id % 0xFFFF_FFFF + 1  # a u32 in the request, never 0
         loop = asyncio.get_running_loop()
         proc = SessionProcess(self, request_id)
         theirs: list[int] = []
