@@ -259,7 +259,9 @@ async def test_when_the_supervisor_is_gone_trapped_calls_fail(sb: Sandboxes) -> 
     async with handle.exec(["/bin/sh", "-c", script], timeout_s=RUN_TIMEOUT_S) as execution:
         # The command itself runs (past the egress prologue, whose socat binds are trapped too).
         assert await wait_until(ready.exists, timeout_s=10.0)
-        supervisor = execution._create_rules  # white box: stop it as a crash would
+        # White box: stop it as a crash would (the session sandbox's, or the command's own).
+        sandbox = execution._sandbox
+        supervisor = sandbox._rules if sandbox is not None else execution._create_rules
         assert supervisor is not None
         await asyncio.to_thread(supervisor.close)
         go.write_text("")

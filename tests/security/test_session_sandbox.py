@@ -22,6 +22,7 @@ from escape_kit import (
     wait_until,
 )
 
+from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, parse_spec
 from cc_server.runtime.handle import run_collect
 from cc_server.runtime.session_sandbox import MAX_REQUEST_BYTES
 
@@ -236,3 +237,23 @@ async def test_a_secret_the_host_moves_under_a_mask_stays_masked_for_the_next_co
     assert b"worktree control file" in after.stdout
     assert fresh not in output(after), output(after)
     assert handle.details["sandboxPid"] != sandbox, output(after)
+
+
+async def test_a_refused_create_is_reported_to_the_command_that_made_it(sb: Sandboxes) -> None:
+    # With create-time globs the session's commands share one sandbox and one supervisor; each
+    # refusal still goes to the command whose process made the call, even from a process it
+    # left in the background, and before that command's exit.
+    handle = sb.manager.launch(
+        parse_spec(sb.spec()), deny_create_globs=list(STANDARD_DENY_CREATE_GLOBS)
+    )
+    await sb.sh(handle, "true")
+    sandbox = handle.details["sandboxPid"]
+    wt = sb.worktree
+    offender = sb.sh(handle, f"sleep 0.3; echo > {wt}/a.pem; (setsid sh -c 'echo > {wt}/b.key' &); "
+                             f"sleep 0.3; echo done")
+    bystander = sb.sh(handle, f"sleep 0.3; echo > {wt}/fine.txt; sleep 0.5; echo done")
+    bad, good = await asyncio.gather(offender, bystander)
+    assert sorted(v.target for v in bad.violations) == [f"{wt}/a.pem", f"{wt}/b.key"], bad
+    assert good.violations == () and (wt / "fine.txt").exists(), good
+    assert not (wt / "a.pem").exists() and not (wt / "b.key").exists()
+    assert handle.details["sandboxPid"] == sandbox

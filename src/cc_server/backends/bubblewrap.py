@@ -285,7 +285,8 @@ def _step_launcher(
     #     sandbox's loopback listeners to the proxies. With create-time filename rules it runs as
     #     the sandbox's PID 1 (so no process inside lacks the filter), installs the create-rule
     #     filter, sends its listener to the server's supervisor and only then runs the command.
-    #     For a session sandbox (`serve`) it is PID 1 and starts each command on request.
+    #     For a session sandbox (`serve`) it is PID 1 and starts each command on request, after
+    #     the handoff and the filter.
     rules_needed = policy.requires_create_rules
     if tools is None or not (rules_needed or egress):
         return [], argv, None, None
@@ -312,7 +313,8 @@ def _step_launcher(
         wrapped += ["--filter", FdArg(name="create-rules.bpf", data=bpf), "--socket", sock]
         rules = CreateRules(globs=policy.deny_create_globs, socket=sock, library=tools.library)
     if serve is not None:
-        return ["--as-pid-1", *bind], (*wrapped, "--serve", serve), rules, handoff
+        pid_1 = [] if rules is not None else ["--as-pid-1"]  # with rules it is there already
+        return [*pid_1, *bind], (*wrapped, "--serve", serve), rules, handoff
     return bind, (*wrapped, "--", *argv), rules, handoff
 
 
@@ -335,6 +337,13 @@ def plan_bubblewrap(
     with egress gets its loopback listeners from the launcher (`LaunchPlan.egress_handoff`; the
     caller gives them to the session's proxies); without it, socat bridges to the proxies'
     sockets and is needed then. runtime/handle.py does both.
+
+    A command with `in_session_sandbox` gets, when it can (the launcher is there, the command has
+    egress, the default profile), the plan of a session sandbox instead: the same steps, with
+    the launcher as PID 1 serving exec requests in place of the command (`--serve`, chdir `/`,
+    only `PATH` in its environment; with create-time globs it installs their filter first, so
+    every command carries it), and the command itself, its full environment and its working
+    directory in `LaunchPlan.session` (runtime/session_sandbox.py).
 
     Two switches exist for the server-hosted terminal's fixed profile only (terminal.profile):
     `new_session=False` omits `--new-session`, so the shell keeps the PTY it was started on as its
@@ -374,7 +383,6 @@ def plan_bubblewrap(
         if command.in_session_sandbox
         and create_rules is not None
         and command.egress is not None
-        and not policy.requires_create_rules
         and new_session
         and not share_net
         else None

@@ -82,7 +82,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 3  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 4  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -243,6 +243,9 @@ class CreateRefused:
     """The name that would have been created (through a symlink, the link's target's name)."""
     glob: str
     """The glob it matched."""
+    keeper: int | None = None
+    """In a session sandbox: the pid (in the sandbox) of the keeper the process runs under,
+    which tells the command that made the call (runtime/session_sandbox.py)."""
 
     @property
     def raw(self) -> str:
@@ -326,15 +329,20 @@ def _parse(buffer: bytearray) -> list[Report]:
         if len(fields) < 5:
             continue  # not a record this version writes
         kind, syscall, target, name, detail = fields[:5]
+        keeper = fields[5] if len(fields) > 5 else ""
         if kind == "R":
-            reports.append(CreateRefused(syscall=syscall, target=target, name=name, glob=detail))
+            reports.append(CreateRefused(
+                syscall=syscall, target=target, name=name, glob=detail,
+                keeper=int(keeper) if keeper.isdigit() else None,
+            ))  # fmt: skip
         else:
             reports.append(SupervisorFault(syscall=syscall, detail=detail))
     return reports
 
 
 class CreateRuleSupervisor:
-    """The supervisor of one sandboxed command: native worker threads answering its listener.
+    """The supervisor of one sandbox (a session's, or one command's own): native worker threads
+    answering its listener.
 
     Reports (refusals and faults) arrive on `report_fd`; call `drain()` when it is readable.
     `close()` stops the workers, closes the listener (calls still pending then fail with

@@ -176,7 +176,7 @@ class SandboxHandle:
                 self._retired.add(current)
                 await self._close_idle(current)
             assert self.egress is not None  # a session sandbox is planned only with egress
-            sandbox = await SessionSandbox.start(plan, self.egress)
+            sandbox = await SessionSandbox.start(plan, self.egress, self._create_report)
             if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):  # destroyed meanwhile
                 await sandbox.aclose()
                 raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
@@ -193,6 +193,17 @@ class SandboxHandle:
         if sandbox in self._retired and sandbox.running == 0:
             self._retired.discard(sandbox)
             await sandbox.aclose()
+
+    def _create_report(self, report: Report, execution: Execution | None = None) -> None:
+        """A report of the create-rule supervisor: a refusal becomes a violation, of `execution`
+        when it is known to have made the call, else of every running one."""
+        if isinstance(report, CreateRefused):
+            self.record_violation(
+                SandboxViolation(action=CREATE_VIOLATION, target=report.target, raw=report.raw),
+                execution,
+            )
+        else:
+            log.warning("create-rule supervisor refused %s: %s", report.syscall, report.detail)
 
     def _started(self, execution: Execution) -> None:
         self._running.add(execution)
@@ -308,6 +319,7 @@ class Execution:
                 stdin=stdin_mode,
                 stdout=self._stdio[1] if self._inherit else pipe,
                 stderr=self._stdio[2] if self._inherit else pipe,
+                on_report=self._create_report,
             )
             if self._proc is not None:
                 self._sandbox = sandbox
@@ -378,13 +390,7 @@ class Execution:
         self._adopted = await self.handle.egress.adopt(http, socks)
 
     def _create_report(self, report: Report) -> None:
-        if isinstance(report, CreateRefused):
-            self.handle.record_violation(
-                SandboxViolation(action=CREATE_VIOLATION, target=report.target, raw=report.raw),
-                self,
-            )
-        else:
-            log.warning("create-rule supervisor refused %s: %s", report.syscall, report.detail)
+        self.handle._create_report(report, self)
 
     async def __aexit__(self, *exc_info: object) -> None:
         if not self._done.is_set():

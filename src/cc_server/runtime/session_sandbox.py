@@ -7,6 +7,9 @@ The request socket is a SOCK_SEQPACKET socketpair; each message is one request o
 - `X` run: tag, 3 pad bytes, id, argc, envc, then NUL-terminated cwd, argv words and
   `KEY=VALUE` words, with three descriptors attached (the command's stdin, stdout, stderr).
 - `S` signal: tag, 3 pad bytes, id, signal number: sent to the command's process group.
+- `P` started (launcher to server): tag, 3 pad bytes, id, the pid (in the sandbox) of the
+  command's keeper, sent before the command starts. With create-time globs, the supervisor's
+  refusals name the keeper the refused process runs under: that tells the command.
 - `D` done (launcher to server): tag, 3 pad bytes, id, exit code (128+N for signal N), sent
   once the command has exited and its keeper has killed everything it left behind. With
   `KEEPER_KILLED` added, the keeper itself was killed (from inside: the commands share a uid)
@@ -28,13 +31,20 @@ import os
 import signal
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final
 
 from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import receive_fds, wait_writable
 from cc_server.backends.plan import LaunchPlan, SessionCommand
 from cc_server.backends.runner import start
+from cc_server.backends.supervisor import (
+    CreateRefused,
+    CreateRuleSupervisor,
+    Report,
+    receive_listener,
+    stop_supervisor,
+)
 from cc_server.errors import EnforcementFailed
 
 if TYPE_CHECKING:
@@ -72,9 +82,15 @@ class SessionProcess:
     """One command running in a session sandbox, with the attributes of an asyncio
     `Process` that an Execution reads (`stdin`, `stdout`, `stderr`, `returncode`)."""
 
-    def __init__(self, sandbox: SessionSandbox, request_id: int) -> None:
+    def __init__(
+        self,
+        sandbox: SessionSandbox,
+        request_id: int,
+        on_report: Callable[[Report], None] | None = None,
+    ) -> None:
         self._sandbox = sandbox
         self.request_id = request_id
+        self.on_report = on_report  # the create-rule supervisor's refusals of this command
         self.stdin: asyncio.StreamWriter | None = None
         self.stdout: asyncio.StreamReader | None = None
         self.stderr: asyncio.StreamReader | None = None
@@ -126,6 +142,11 @@ class SessionSandbox:
         self._stderr_task: asyncio.Task[None] | None = None
         self._launcher_pid: int | None = None  # its PID 1, as the host sees it
         self._mounts: bytes | None = None  # its mount table when it started
+        self._rules: CreateRuleSupervisor | None = None
+        self._on_report: Callable[[Report], None] | None = None  # a refusal of no known command
+        self._keepers: dict[int, int] = {}  # a keeper's pid in the sandbox -> its request
+        self._exits: list[tuple[int, int]] = []  # `D` replies read, not yet handled
+        self._eof = False
 
     @property
     def pid(self) -> int:
@@ -168,8 +189,15 @@ class SessionSandbox:
         )
 
     @classmethod
-    async def start(cls, plan: LaunchPlan, egress: EgressPort) -> SessionSandbox:
-        """Spawn the sandbox of `plan` and give its loopback listeners to `egress`.
+    async def start(
+        cls,
+        plan: LaunchPlan,
+        egress: EgressPort,
+        on_report: Callable[[Report], None] | None = None,
+    ) -> SessionSandbox:
+        """Spawn the sandbox of `plan` and give its loopback listeners to `egress`; with
+        create-time globs, start the supervisor of its launcher's listener. A refusal that no
+        running command can be told to have made goes to `on_report`.
 
         Raises:
             EnforcementFailed: bwrap or the launcher failed before serving (the error carries
@@ -177,7 +205,12 @@ class SessionSandbox:
         """
         assert plan.session is not None and plan.egress_handoff is not None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        handoff_ours, handoff_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        slots = [plan.egress_handoff.name]
+        if plan.create_rules is not None:
+            slots.append(plan.create_rules.socket.name)
+        pairs = {
+            name: socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for name in slots
+        }
         try:
             try:
                 proc, transport = await start(
@@ -187,29 +220,41 @@ class SessionSandbox:
                     stderr=asyncio.subprocess.PIPE,
                     fds={
                         plan.session.socket.name: theirs.fileno(),
-                        plan.egress_handoff.name: handoff_theirs.fileno(),
+                        **{name: pair[1].fileno() for name, pair in pairs.items()},
                     },
                 )
             finally:
                 theirs.close()
-                handoff_theirs.close()
+                for _, their_end in pairs.values():
+                    their_end.close()
         except BaseException:
             ours.close()
-            handoff_ours.close()
+            for our_end, _ in pairs.values():
+                our_end.close()
             raise
         ours.setblocking(False)
         sandbox = cls(plan, proc, transport, ours)
+        sandbox._on_report = on_report
         sandbox._stderr_task = asyncio.create_task(sandbox._keep_stderr(), name="sandbox stderr")
         try:
             try:
                 fds = await receive_fds(
-                    handoff_ours, tag=b"E", count=2, timeout_s=START_TIMEOUT_S,
-                    what="egress listeners",
+                    pairs[plan.egress_handoff.name][0], tag=b"E", count=2,
+                    timeout_s=START_TIMEOUT_S, what="egress listeners",
                 )
+                http, socks = (socket.socket(fileno=fd) for fd in fds)
+                sandbox._adopted = await egress.adopt(http, socks)
+                if plan.create_rules is not None:
+                    listener = await receive_listener(pairs[plan.create_rules.socket.name][0])
+                    sandbox._rules = CreateRuleSupervisor.start(
+                        listener, plan.create_rules.globs, library=plan.create_rules.library
+                    )
+                    asyncio.get_running_loop().add_reader(
+                        sandbox._rules.report_fd, sandbox._on_reports
+                    )
             finally:
-                handoff_ours.close()
-            http, socks = (socket.socket(fileno=fd) for fd in fds)
-            sandbox._adopted = await egress.adopt(http, socks)
+                for our_end, _ in pairs.values():
+                    our_end.close()
             # The launcher has made its listeners, so bwrap has set up every mount by now.
             sandbox._launcher_pid = _only_child(proc.pid)
             if sandbox._launcher_pid is not None:
@@ -240,10 +285,12 @@ class SessionSandbox:
         stdin: int | None,
         stdout: int | None,
         stderr: int | None,
+        on_report: Callable[[Report], None] | None = None,
     ) -> SessionProcess | None:
         """Start `command`. Each stream is `asyncio.subprocess.PIPE`, `DEVNULL`, a descriptor
-        the caller keeps, or None (the server's own). Returns None when the command does not fit
-        one request (the caller starts a sandbox of its own for it).
+        the caller keeps, or None (the server's own). The create-rule supervisor's refusals of this
+        command go to `on_report`. Returns None when the command does not fit one request (the
+        caller starts a sandbox of its own for it).
 
         Raises:
             EnforcementFailed: this sandbox has ended, or the request could not be sent; the
@@ -257,7 +304,7 @@ class SessionSandbox:
             raise EnforcementFailed("the session's sandbox has ended; the command was not run")
         self._next_id = self._next_id % 0xFFFF_FFFF + 1  # a u32 in the request, never 0
         loop = asyncio.get_running_loop()
-        proc = SessionProcess(self, request_id)
+        proc = SessionProcess(self, request_id, on_report)
         theirs: list[int] = []
         mine: list[int] = []  # descriptors opened here, closed once sent
         try:
@@ -303,8 +350,9 @@ class SessionSandbox:
         with contextlib.suppress(OSError):  # full or gone: the sandbox's end handles the rest
             self._requests.send(_SIGNAL.pack(b"S", request_id, signum))
 
-    def _on_reply(self) -> None:
-        while True:
+    def _read_replies(self) -> None:
+        """Take every message the launcher has sent: keepers are noted at once, exits queued."""
+        while not self._eof:
             try:
                 data = self._requests.recv(64)
             except BlockingIOError:
@@ -312,19 +360,57 @@ class SessionSandbox:
             except OSError:
                 data = b""
             if not data:
-                self._ended()
+                self._eof = True
                 return
-            if len(data) != _REPLY.size or data[:1] != b"D":
+            if len(data) != _REPLY.size or data[:1] not in (b"D", b"P"):
                 log.warning("session sandbox %d sent a malformed reply; ignored", self.pid)
                 continue
-            _, request_id, code = _REPLY.unpack(data)
+            tag, request_id, value = _REPLY.unpack(data)
+            if request_id not in self._running:
+                continue
+            if tag == b"P":
+                self._keepers[value] = request_id
+            else:
+                self._exits.append((request_id, value))
+
+    def _on_reply(self) -> None:
+        self._read_replies()
+        if self._exits and self._rules is not None:
+            self._route(self._rules.drain())  # a command's refusals come before its exit
+        self._finish_exits()
+        if self._eof:
+            self._ended()
+
+    def _finish_exits(self) -> None:
+        exits, self._exits = self._exits, []
+        for request_id, code in exits:
             proc = self._running.pop(request_id, None)
             if proc is None:
                 continue
+            for keeper in [k for k, r in self._keepers.items() if r == request_id]:
+                del self._keepers[keeper]
             if code & KEEPER_KILLED:
                 self._reusable = False
                 code &= ~KEEPER_KILLED
             proc._finish(code if code <= 255 else KILLED_CODE)
+
+    def _on_reports(self) -> None:
+        assert self._rules is not None
+        self._route(self._rules.drain())
+        self._finish_exits()
+
+    def _route(self, reports: list[Report]) -> None:
+        """Give each report to the command whose keeper the refused process runs under."""
+        for report in reports:
+            proc = None
+            if isinstance(report, CreateRefused) and report.keeper is not None:
+                if report.keeper not in self._keepers:
+                    self._read_replies()  # its `P` was sent before the command started
+                proc = self._running.get(self._keepers.get(report.keeper, -1))
+            if proc is not None and proc.on_report is not None:
+                proc.on_report(report)
+            elif self._on_report is not None:
+                self._on_report(report)
 
     def _ended(self) -> None:
         if not self._alive:
@@ -354,6 +440,9 @@ class SessionSandbox:
         adopted, self._adopted = self._adopted, ()
         for listener in adopted:
             await listener.aclose()
+        rules, self._rules = self._rules, None
+        if rules is not None:  # its last refusals, then its workers stop
+            await stop_supervisor(rules, lambda report: self._route([report]))
         self._requests.close()
 
 

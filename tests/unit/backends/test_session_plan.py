@@ -128,15 +128,12 @@ def test_two_commands_share_a_sandbox_only_while_the_host_facts_are_the_same() -
         ("not asked", dataclasses.replace(COMMAND, in_session_sandbox=False), {}),
         ("no egress", dataclasses.replace(COMMAND, egress=None), {}),
         ("no launcher", COMMAND, {"tools": None}),
-        ("create-time globs", COMMAND, {"policy": "globs"}),
         ("terminal session", dataclasses.replace(COMMAND, egress=None), {"new_session": False}),
     ],
 )
 def test_a_sandbox_per_command_when_a_session_sandbox_cannot_serve_it(
     why: str, command: Command, kw: dict[str, object]
 ) -> None:
-    if kw.get("policy") == "globs":
-        kw["policy"] = _policy(STANDARD_DENY_CREATE_GLOBS)
     plan = _plan(command, **kw)  # type: ignore[arg-type]
     assert plan.session is None, why
     assert "--serve" not in plan.argv
@@ -147,3 +144,19 @@ def test_a_sandbox_per_command_when_a_session_sandbox_cannot_serve_it(
 def test_the_seccomp_filter_is_part_of_what_must_be_equal() -> None:
     plan = _plan()
     assert FdArg(name="seccomp.bpf", data=FAKE_BPF) in plan.argv
+
+
+def test_with_create_time_globs_the_launcher_installs_their_filter_before_it_serves() -> None:
+    plan = _plan(policy=_policy(STANDARD_DENY_CREATE_GLOBS))
+    argv = plan.argv
+    dash = argv.index("--")
+    assert argv[dash + 1 :] == (
+        GUEST_LAUNCHER,
+        "--egress", InheritedFd(name="egress.sock"),
+        "--filter", FdArg(name="create-rules.bpf", data=FAKE_BPF),
+        "--socket", InheritedFd(name="create-rules.sock"),
+        "--serve", InheritedFd(name="session.sock"),
+    )  # fmt: skip
+    assert argv[:dash].count("--as-pid-1") == 1
+    assert plan.session is not None and plan.create_rules is not None
+    assert plan.create_rules.globs == STANDARD_DENY_CREATE_GLOBS

@@ -2,7 +2,7 @@
  * cc-create-launcher: the last step inside a bubblewrap sandbox before the command runs.
  *
  *   cc-create-launcher [--egress FD] [--filter FD --socket FD] -- COMMAND [ARGS...]
- *   cc-create-launcher [--egress FD] --serve FD
+ *   cc-create-launcher [--egress FD] [--filter FD --socket FD] --serve FD
  *   cc-create-launcher --selftest
  *
  * --egress FD (the sandbox's network namespace has only `lo`): it listens on 127.0.0.1:3128 and
@@ -81,7 +81,7 @@
 #define EGRESS_BACKLOG 128
 #define USAGE                                                                              \
     "usage: cc-create-launcher [--egress FD] [--filter FD --socket FD] -- COMMAND [ARGS...]\n" \
-    "       cc-create-launcher [--egress FD] --serve FD"
+    "       cc-create-launcher [--egress FD] [--filter FD --socket FD] --serve FD"
 
 #define MAX_FILTER_INSNS 4096 /* BPF_MAXINSNS */
 #define SELFTEST_TIMEOUT_MS 5000
@@ -328,9 +328,18 @@ static int status_code(int status) {
 }
 
 /* The keeper of one command: a subreaper that runs it and, when it exits, kills every process
- * it left, then exits with the command's code. Never returns. */
-static void keeper(const char *cwd, char **argv, char **envp, const int fds[3],
-                   const sigset_t *unblocked) {
+ * it left, then exits with the command's code. Before the command starts it tells the server
+ * its pid ('P'), which the create-rule supervisor's refusals name. Never returns. */
+static void keeper(int ctl, uint32_t id, const char *cwd, char **argv, char **envp,
+                   const int fds[3], const sigset_t *unblocked) {
+    char started[12] = {'P'};
+    put_u32(started + 4, id);
+    put_u32(started + 8, (uint32_t)getpid());
+    ssize_t sent;
+    do {
+        sent = send(ctl, started, sizeof started, MSG_NOSIGNAL);
+    } while (sent < 0 && errno == EINTR);
+    close(ctl);
     if (prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0) {
         dprintf(fds[2], "cc-server: prctl(PR_SET_CHILD_SUBREAPER): %s; the command was not run\n",
                 strerror(errno));
@@ -496,10 +505,8 @@ static void serve_request(int ctl, char *buf, const sigset_t *unblocked) {
     memcpy(envp, words + 1 + argc, envc * sizeof(char *));
     envp[envc] = NULL;
     pid_t pid = fork();
-    if (pid == 0) {
-        close(ctl);
-        keeper(words[0], argv, envp, fds, unblocked);
-    }
+    if (pid == 0)
+        keeper(ctl, id, words[0], argv, envp, fds, unblocked);
     close_fds(fds, nfds);
     if (pid < 0) {
         send_done(ctl, id, EXIT_NOT_RUN);
@@ -731,10 +738,12 @@ int main(int argc, char **argv) {
             die_msg("unknown option");
     }
     if (serve_fd >= 0) {
-        if (filter_fd >= 0 || sock_fd >= 0 || i < argc)
+        if ((filter_fd < 0) != (sock_fd < 0) || i < argc)
             die_msg(USAGE);
         if (egress_fd >= 0)
             hand_over_egress(egress_fd);
+        if (filter_fd >= 0) /* the launcher, and so every command, carries the filter */
+            install_create_rules(filter_fd, sock_fd);
         serve(serve_fd);
     }
     if ((filter_fd < 0) != (sock_fd < 0) || (filter_fd < 0 && egress_fd < 0) || i >= argc)

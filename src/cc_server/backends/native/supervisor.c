@@ -92,7 +92,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CCS_ABI_VERSION 3
+#define CCS_ABI_VERSION 4
 
 #ifndef SECCOMP_ADDFD_FLAG_SEND
 #define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
@@ -353,10 +353,11 @@ static void res_close(struct resolved *r) {
 
 static void put_u32(char *p, uint32_t v) { memcpy(p, &v, 4); }
 
-/* One record: u32 length, then kind, syscall, target, name, detail, each NUL-terminated. */
-static void report(struct ccs *s, char kind, const char *sysname, const char *target,
-                   const char *name, const char *detail) {
-    char buf[4 + 2 + 32 + REPORT_TARGET_MAX + 8 + NAME_MAX + 1 + 512];
+/* One record: u32 length, then kind, syscall, target, name, detail, keeper, each
+ * NUL-terminated (keeper: a decimal pid, or empty). */
+static void report_keeper(struct ccs *s, char kind, const char *sysname, const char *target,
+                          const char *name, const char *detail, long keeper) {
+    char buf[4 + 2 + 32 + REPORT_TARGET_MAX + 8 + NAME_MAX + 1 + 512 + 24];
     size_t off = 4;
     buf[off++] = kind;
     buf[off++] = '\0';
@@ -373,6 +374,9 @@ static void report(struct ccs *s, char kind, const char *sysname, const char *ta
         }
         buf[off++] = '\0';
     }
+    if (keeper > 0)
+        off += (size_t)snprintf(buf + off, 24, "%ld", keeper);
+    buf[off++] = '\0';
     put_u32(buf, (uint32_t)(off - 4));
     ssize_t n;
     do {
@@ -380,6 +384,11 @@ static void report(struct ccs *s, char kind, const char *sysname, const char *ta
     } while (n < 0 && errno == EINTR);
     if (n != (ssize_t)off)
         atomic_fetch_add(&s->dropped_reports, 1);
+}
+
+static void report(struct ccs *s, char kind, const char *sysname, const char *target,
+                   const char *name, const char *detail) {
+    report_keeper(s, kind, sysname, target, name, detail, 0);
 }
 
 static void report_error(struct req *q, const char *target, const char *fmt, ...) {
@@ -1172,9 +1181,51 @@ static void set_umask(mode_t m) {
     }
 }
 
+/* A number from /proc/<pid>/status: the first after `key`, or the last (NSpid: the pid in the
+ * task's own PID namespace); -1 when the process is gone. */
+static long status_number(struct ccs *s, pid_t pid, const char *key, bool last) {
+    char name[32], text[2048];
+    snprintf(name, sizeof name, "%d/status", (int)pid);
+    int fd = openat(s->proc_fd, name, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return -1;
+    int err = read_status(fd, text, sizeof text);
+    close(fd);
+    const char *field = err ? NULL : status_field(text, key);
+    if (!field)
+        return -1;
+    if (last)
+        return last_number(field);
+    unsigned long v;
+    return nth_number(field, 0, &v) ? (long)v : -1;
+}
+
+/*
+ * In a session sandbox, the keeper the task runs under, as the sandbox numbers it: the ancestor
+ * whose parent is the sandbox's PID 1 (each keeper is a subreaper, so what its command leaves is
+ * reparented to it, never past it). The task is asleep in its call, so its ancestry is there to
+ * be read; 0 when it cannot be found.
+ */
+static long keeper_of(struct ccs *s, pid_t tid) {
+    pid_t p = tid;
+    for (int depth = 0; depth < 4096; depth++) {
+        long parent = status_number(s, p, "PPid:", false);
+        if (parent <= 0)
+            return 0;
+        long inner = status_number(s, (pid_t)parent, "NSpid:", true);
+        if (inner == 1)
+            return status_number(s, p, "NSpid:", true);
+        if (inner <= 0)
+            return 0;
+        p = (pid_t)parent;
+    }
+    return 0;
+}
+
 static void refuse(struct req *q, const char *target, const char *name, const char *glob) {
     atomic_fetch_add(&q->s->refused, 1);
-    report(q->s, KIND_REFUSED, q->sysname, target, name, glob);
+    report_keeper(q->s, KIND_REFUSED, q->sysname, target, name, glob,
+                  keeper_of(q->s, (pid_t)q->n->pid));
     respond(q->s, q->n->id, 0, EACCES);
 }
 
