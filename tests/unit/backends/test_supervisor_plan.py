@@ -220,6 +220,16 @@ def test_records_are_parsed_whole_and_partial_ones_wait() -> None:
     assert refused.raw == "openat: refused to create 'c.pem' (matches '*.pem')"
 
 
+def test_a_refusal_names_the_keeper_it_runs_under_when_there_is_one() -> None:
+    # As the supervisor writes them: a sixth field, a decimal pid or empty.
+    data = _record(b"R", b"openat", b"a.pem", b"a.pem", b"*.pem", b"42") + _record(
+        b"R", b"mkdir", b"b.pem", b"b.pem", b"*.pem", b""
+    )
+    named, unnamed = sup._parse(bytearray(data))
+    assert isinstance(named, CreateRefused) and named.keeper == 42
+    assert isinstance(unnamed, CreateRefused) and unnamed.keeper is None
+
+
 def test_a_path_that_is_not_utf8_survives() -> None:
     (report,) = sup._parse(bytearray(_record(b"R", b"open", b"\xff.pem", b"\xff.pem", b"*.pem")))
     assert isinstance(report, CreateRefused)
