@@ -332,6 +332,16 @@ def _global_args(args: Sequence[str], value_options: frozenset[str]) -> list[str
     return out
 
 
+def _split_string_value(word: str) -> str:
+    """The command line in a wrapper's word that holds spaces: the word itself, or the value of
+    the option carrying it (`--split-string=LINE`, or `-S` in a cluster: `-S LINE`, `-vSLINE`)."""
+    if word.startswith("--"):
+        return word.partition("=")[2] if "=" in word else word
+    if word.startswith("-") and "S" in word:
+        return word[word.index("S") + 1 :]
+    return word
+
+
 def _rule_applies(
     rule: CommandRule, args: Sequence[str], words: Sequence[str], global_args: Sequence[str]
 ) -> bool:
@@ -392,7 +402,7 @@ def _check_simple(
             _check_simple(policy, mode, clean[k:], action, depth + 1)
         for word in clean[1:]:
             if any(c.isspace() for c in word):  # `env -S 'git push'` splits its argument
-                _check_line(policy, mode, word.lstrip("-S").strip(), action, depth + 1)
+                _check_line(policy, mode, _split_string_value(word), action, depth + 1)
         if len(starts) > MAX_WRAPPER_STARTS:
             raise _refuse(action, "a wrapped command with too many leading words to check")
         return
