@@ -1181,23 +1181,22 @@ static void set_umask(mode_t m) {
     }
 }
 
-/* A number from /proc/<pid>/status: the first after `key`, or the last (NSpid: the pid in the
- * task's own PID namespace); -1 when the process is gone. */
-static long status_number(struct ccs *s, pid_t pid, const char *key, bool last) {
-    char name[32], text[2048];
+/* From /proc/<pid>/status: its parent (PPid:) and its pid in its own PID namespace (the last
+ * NSpid: number); false when the process is gone. */
+static bool parent_and_inner(struct ccs *s, pid_t pid, long *parent, long *inner) {
+    char name[32], text[STATUS_BYTES];
     snprintf(name, sizeof name, "%d/status", (int)pid);
     int fd = openat(s->proc_fd, name, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
-        return -1;
+        return false;
     int err = read_status(fd, text, sizeof text);
     close(fd);
-    const char *field = err ? NULL : status_field(text, key);
-    if (!field)
-        return -1;
-    if (last)
-        return last_number(field);
     unsigned long v;
-    return nth_number(field, 0, &v) ? (long)v : -1;
+    if (err || !nth_number(status_field(text, "PPid:"), 0, &v))
+        return false;
+    *parent = (long)v;
+    *inner = last_number(status_field(text, "NSpid:"));
+    return *inner > 0;
 }
 
 /*
@@ -1207,17 +1206,16 @@ static long status_number(struct ccs *s, pid_t pid, const char *key, bool last) 
  * be read; 0 when it cannot be found.
  */
 static long keeper_of(struct ccs *s, pid_t tid) {
-    pid_t p = tid;
-    for (int depth = 0; depth < 4096; depth++) {
-        long parent = status_number(s, p, "PPid:", false);
-        if (parent <= 0)
+    long parent, inner, up_parent, up_inner;
+    if (!parent_and_inner(s, tid, &parent, &inner))
+        return 0;
+    for (int depth = 0; depth < 4096 && parent > 0; depth++) {
+        if (!parent_and_inner(s, (pid_t)parent, &up_parent, &up_inner))
             return 0;
-        long inner = status_number(s, (pid_t)parent, "NSpid:", true);
-        if (inner == 1)
-            return status_number(s, p, "NSpid:", true);
-        if (inner <= 0)
-            return 0;
-        p = (pid_t)parent;
+        if (up_inner == 1)
+            return inner;
+        parent = up_parent;
+        inner = up_inner;
     }
     return 0;
 }
