@@ -17,6 +17,7 @@ from microvm_kit import events_of, launch, manager, read_until
 from test_egress import ALLOWED, DENIED, LOOPBACK, FakeDns, open_upstream
 
 from cc_server.errors import EnforcementFailed
+from cc_server.microvm.proto import FrameType
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import run_collect
 
@@ -133,6 +134,37 @@ async def test_a_command_racing_a_suspend_cannot_touch_a_protected_path(
             await read_until(events, "done-2")
         assert (work / "protected").is_dir()
         assert not (work / "protected" / "x").exists()
+    finally:
+        await m.aclose()
+
+
+async def test_a_resume_that_cannot_put_a_carve_out_back_thaws_nothing(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The guest's commands stay frozen from the suspend until every mount is back; when a
+    # carve-out cannot be (its directory went away meanwhile), the VM is ended without one
+    # command running with the bind on and the carve-out off.
+    work = tmp_path / "work"
+    (work / "protected").mkdir(parents=True)
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
+                              protectedPaths=[str(work / "protected")])
+        await handle.suspend()
+        (work / "protected").rmdir()
+        assert handle._link is not None
+        sent: list[FrameType] = []
+        send = handle._link.send
+
+        def spy(channel: int, kind: FrameType, payload: bytes = b"") -> None:
+            sent.append(kind)
+            send(channel, kind, payload)
+
+        handle._link.send = spy  # type: ignore[method-assign]
+        with pytest.raises(EnforcementFailed, match="/work/protected"):
+            await handle.resume()
+        assert FrameType.MOUNT in sent and FrameType.THAW not in sent
+        assert handle.state is SandboxState.ERROR and handle.qemu_pid is None
     finally:
         await m.aclose()
 

@@ -295,15 +295,18 @@ class MicroVMHandle(SandboxHandle):
             try:
                 self._vm, replies = await self.pool.resume(
                     self._run_dir, self.mount_plan.shares, self._link, state,
-                    [*self._mount_requests(), Request(FrameType.THAW, b"", FrameType.RESULT)],
+                    self._mount_requests(),
                 )
-                self._check_mounts(replies[:-1])
-                if (code := struct.unpack_from("<i", replies[-1].payload)[0]) != 0:
+                self._check_mounts(replies)
+                # Thawed only once every mount is known to be back: the agent takes a batch in
+                # order, so a thaw sent behind the mounts would let the commands run with a
+                # carve-out off until the VM is ended.
+                reply = await self._link.request(FrameType.THAW, b"", FrameType.RESULT)
+                if (code := struct.unpack_from("<i", reply.payload)[0]) != 0:
                     raise EnforcementFailed(
                         f"the guest could not thaw its commands: {os.strerror(code)}")
-            except CcServerError as exc:
-                await self._teardown()
-                self.fail(exc)
+            except BaseException as exc:  # cancelled included: never a VM left behind
+                await self._fail_closed(exc)
                 raise
             state.unlink()
             self.details["qemuPid"] = self._vm.qemu.pid
