@@ -209,7 +209,7 @@ async def _watch_client(client: socket.socket, execution: Any) -> None:
             await execution.terminate(SIGNAL_GRACE_S, reason=name)
 
 
-_TEMPORARY: Final = re.compile(r"^cli-[0-9a-f]+\.sock\.(?P<pid>\d+)\.tmp$")
+_TEMPORARY: Final = re.compile(r"^cli-[0-9a-f]+\.sock\.(?P<pid>\d+)\.tmp\Z")
 
 
 def _remove_stale_temporaries(directory: str) -> None:
