@@ -58,6 +58,17 @@ GUEST_ENV: Final = {
 STATE_FILE: Final = "suspended.state"
 
 
+def _errno_of(reply: Frame) -> int:
+    """The errno an agent's RESULT frame carries (0: done)."""
+    return int(struct.unpack_from("<i", reply.payload)[0])
+
+
+def _check_result(reply: Frame, what: str, *, fix: str) -> None:
+    """Raise EnforcementFailed when the agent could not do `what`."""
+    if (code := _errno_of(reply)) != 0:
+        raise EnforcementFailed(f"the guest could not {what}: {os.strerror(code)}", fix=fix)
+
+
 def _no_host_plan(policy: CompiledPolicy, command: Command) -> LaunchPlan:
     raise BackendUnavailable(
         "a microVM runs its commands in the guest; there is no host launch plan",
@@ -157,13 +168,8 @@ class MicroVMHandle(SandboxHandle):
         assert self.mount_plan is not None
         for step, reply in zip(self.mount_plan.steps if steps is None else steps, replies,
                                strict=True):
-            code = struct.unpack_from("<i", reply.payload)[0]
-            if code != 0:
-                raise EnforcementFailed(
-                    f"the guest could not mount {step.guest_path} ({step.reason}): "
-                    f"{os.strerror(code)}",
-                    fix="check the bind mount's guestPath",
-                )
+            _check_result(reply, f"mount {step.guest_path} ({step.reason})",
+                          fix="check the bind mount's guestPath")
 
     async def _apply_mounts(self, steps: tuple[GuestMount, ...] | None = None) -> None:
         assert self._link is not None
@@ -195,18 +201,13 @@ class MicroVMHandle(SandboxHandle):
         assert self._link is not None
         kind = FrameType.FREEZE if frozen else FrameType.THAW
         try:
-            reply = (await self._link.request_many([Request(kind, b"", FrameType.RESULT)]))[0]
-            code = struct.unpack_from("<i", reply.payload)[0]
-            if code != 0:
-                raise EnforcementFailed(
-                    f"the guest could not {'freeze' if frozen else 'thaw'} its commands: "
-                    f"{os.strerror(code)}",
-                    fix="retry the suspend; see the VM's console log",
-                )
+            reply = await self._link.request(kind, b"", FrameType.RESULT)
+            _check_result(reply, f"{'freeze' if frozen else 'thaw'} its commands",
+                          fix="retry the suspend; see the VM's console log")
         except BaseException as exc:
             if frozen:  # nothing is off yet: whatever froze runs again
                 with contextlib.suppress(CcServerError):
-                    await self._link.request_many([Request(FrameType.THAW, b"", FrameType.RESULT)])
+                    await self._link.request(FrameType.THAW, b"", FrameType.RESULT)
             else:
                 await self._fail_closed(exc)
             raise
@@ -226,7 +227,7 @@ class MicroVMHandle(SandboxHandle):
         except BaseException as exc:
             await self._fail_closed(exc)
             raise
-        codes = [struct.unpack_from("<i", reply.payload)[0] for reply in replies]
+        codes = [_errno_of(reply) for reply in replies]
         # EINVAL: not a mount point (a hidden path that did not exist); nothing to take off.
         taken = tuple(s for s, c in zip(steps, codes, strict=True) if c == 0)
         busy = [s for s, c in zip(steps, codes, strict=True) if c not in (0, errno.EINVAL)]
@@ -302,9 +303,7 @@ class MicroVMHandle(SandboxHandle):
                 # order, so a thaw sent behind the mounts would let the commands run with a
                 # carve-out off until the VM is ended.
                 reply = await self._link.request(FrameType.THAW, b"", FrameType.RESULT)
-                if (code := struct.unpack_from("<i", reply.payload)[0]) != 0:
-                    raise EnforcementFailed(
-                        f"the guest could not thaw its commands: {os.strerror(code)}")
+                _check_result(reply, "thaw its commands", fix="see the VM's console log")
             except BaseException as exc:  # cancelled included: never a VM left behind
                 await self._fail_closed(exc)
                 raise
