@@ -11,6 +11,7 @@ import pytest
 from dispatch_kit import git, make_repo, tree_digest
 
 from cc_server.dispatch.worktrees import (
+    Worktree,
     WorktreeError,
     WorktreeManager,
     WorktreeStrategy,
@@ -126,15 +127,23 @@ def test_removal_leaves_nothing_behind(
         os.listdir(repo / ".git" / "worktrees") == []
 
 
-def test_overlay_mounts_survive_a_killed_server_and_are_recovered(
+def _overlay_worktree(
     tmp_path: pathlib.Path, repo: pathlib.Path
-) -> None:
+) -> tuple[pathlib.Path, WorktreeManager, Worktree]:
+    """An overlay manager under tmp_path/wt with `repo` registered and one worktree (skips where
+    overlay mounts do not work)."""
     if not _works(WorktreeStrategy.OVERLAY, tmp_path):
         pytest.skip("overlay mounts need CAP_SYS_ADMIN; this host uses another strategy")
     base = tmp_path / "wt"
-    killed = WorktreeManager(base=str(base), strategy=WorktreeStrategy.OVERLAY)
-    killed.register("r", str(repo))
-    wt = killed.create("r", "c1")
+    manager = WorktreeManager(base=str(base), strategy=WorktreeStrategy.OVERLAY)
+    manager.register("r", str(repo))
+    return base, manager, manager.create("r", "c1")
+
+
+def test_overlay_mounts_survive_a_killed_server_and_are_recovered(
+    tmp_path: pathlib.Path, repo: pathlib.Path
+) -> None:
+    base, killed, wt = _overlay_worktree(tmp_path, repo)
     pathlib.Path(wt.path, "work.txt").write_text("in progress\n")
     # A stray directory with a mount but no metadata (a create cut short by the kill).
     stray = base / "stray"
@@ -157,12 +166,7 @@ def test_overlay_mounts_survive_a_killed_server_and_are_recovered(
 def test_a_closed_manager_unmounts_and_the_next_one_remounts(
     tmp_path: pathlib.Path, repo: pathlib.Path
 ) -> None:
-    if not _works(WorktreeStrategy.OVERLAY, tmp_path):
-        pytest.skip("overlay mounts need CAP_SYS_ADMIN; this host uses another strategy")
-    base = tmp_path / "wt"
-    first = WorktreeManager(base=str(base), strategy=WorktreeStrategy.OVERLAY)
-    first.register("r", str(repo))
-    wt = first.create("r", "c1")
+    base, first, wt = _overlay_worktree(tmp_path, repo)
     pathlib.Path(wt.path, "kept.txt").write_text("kept\n")
     first.close()
     assert mounted_under(str(base)) == []
@@ -176,14 +180,9 @@ def test_a_closed_manager_unmounts_and_the_next_one_remounts(
 def test_a_removal_whose_unmount_fails_can_be_retried(
     tmp_path: pathlib.Path, repo: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not _works(WorktreeStrategy.OVERLAY, tmp_path):
-        pytest.skip("overlay mounts need CAP_SYS_ADMIN; this host uses another strategy")
     from cc_server.dispatch import worktrees as module
 
-    base = tmp_path / "wt"
-    manager = WorktreeManager(base=str(base), strategy=WorktreeStrategy.OVERLAY)
-    manager.register("r", str(repo))
-    wt = manager.create("r", "c1")
+    base, manager, wt = _overlay_worktree(tmp_path, repo)
 
     def busy(target: str) -> None:
         raise OSError(16, "Device or resource busy", target)
