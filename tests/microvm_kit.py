@@ -71,6 +71,14 @@ async def launch(m: SandboxManager, **spec: Any) -> MicroVMHandle:
     return handle
 
 
+async def launch_with_carve_out(m: SandboxManager, work: pathlib.Path) -> MicroVMHandle:
+    """A microVM with `work` bound at /work and `work/protected` (created here) a protected
+    path in it: a carve-out a suspend takes off and puts back."""
+    (work / "protected").mkdir(parents=True)
+    return await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
+                        protectedPaths=[str(work / "protected")])
+
+
 async def read_until(events: AsyncIterator[Any], marker: str) -> str:
     """Output of an interactive command until `marker` appears."""
     seen = ""

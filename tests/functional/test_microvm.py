@@ -17,7 +17,16 @@ import time
 
 import aiohttp
 import pytest
-from microvm_kit import alive, events_of, launch, manager, read_until, shared_runtime, unique
+from microvm_kit import (
+    alive,
+    events_of,
+    launch,
+    launch_with_carve_out,
+    manager,
+    read_until,
+    shared_runtime,
+    unique,
+)
 from server_kit import host_pids_with, kill_marked, running_server, wait_until_gone
 
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
@@ -335,12 +344,9 @@ def test_half_built_snapshots_of_killed_servers_are_removed(tmp_path: pathlib.Pa
 
 async def test_suspend_refused_while_a_bind_is_in_use(tmp_path: pathlib.Path) -> None:
     work = tmp_path / "work"
-    work.mkdir()
-    (work / "protected").mkdir()
     m = manager(tmp_path)
     try:
-        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
-                              protectedPaths=[str(work / "protected")])
+        handle = await launch_with_carve_out(m, work)
         async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
             events = events_of(shell)
             await shell.write_stdin(b"echo in-$((1+1))\n")
@@ -368,11 +374,9 @@ async def test_mounts_that_cannot_be_put_back_end_the_vm(
     # A refused suspend puts the carve-outs back; when the guest cannot take one (a command
     # removed its directory), the VM must not run on with the bind on and the carve-out off.
     work = tmp_path / "work"
-    (work / "protected").mkdir(parents=True)
     m = manager(tmp_path)
     try:
-        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
-                              protectedPaths=[str(work / "protected")])
+        handle = await launch_with_carve_out(m, work)
         qemu_pid = handle.qemu_pid
         assert qemu_pid is not None
 

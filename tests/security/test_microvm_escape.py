@@ -13,7 +13,7 @@ import os
 import pathlib
 
 import pytest
-from microvm_kit import events_of, launch, manager, read_until
+from microvm_kit import events_of, launch, launch_with_carve_out, manager, read_until
 from test_egress import ALLOWED, DENIED, LOOPBACK, FakeDns, open_upstream
 
 from cc_server.errors import EnforcementFailed
@@ -113,11 +113,9 @@ async def test_a_command_racing_a_suspend_cannot_touch_a_protected_path(
     # guest's commands are frozen meanwhile (unfrozen, this loop removed it on the first try,
     # and the command could then recreate it and write through the bind).
     work = tmp_path / "work"
-    (work / "protected").mkdir(parents=True)
     m = manager(tmp_path)
     try:
-        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
-                              protectedPaths=[str(work / "protected")])
+        handle = await launch_with_carve_out(m, work)
         qemu_pid = handle.qemu_pid
         async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
             events = events_of(shell)
@@ -145,11 +143,9 @@ async def test_a_resume_that_cannot_put_a_carve_out_back_thaws_nothing(
     # carve-out cannot be (its directory went away meanwhile), the VM is ended without one
     # command running with the bind on and the carve-out off.
     work = tmp_path / "work"
-    (work / "protected").mkdir(parents=True)
     m = manager(tmp_path)
     try:
-        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}],
-                              protectedPaths=[str(work / "protected")])
+        handle = await launch_with_carve_out(m, work)
         await handle.suspend()
         (work / "protected").rmdir()
         assert handle._link is not None
