@@ -1181,9 +1181,10 @@ static void set_umask(mode_t m) {
     }
 }
 
-/* From /proc/<pid>/status: its parent (PPid:) and its pid in its own PID namespace (the last
- * NSpid: number); false when the process is gone. */
-static bool parent_and_inner(struct ccs *s, pid_t pid, long *parent, long *inner) {
+/* From /proc/<pid>/status: its parent (PPid:), its pid in its own PID namespace (the last
+ * NSpid: number) and how deep that namespace is (how many NSpid: numbers); false when the
+ * process is gone. */
+static bool parent_and_inner(struct ccs *s, pid_t pid, long *parent, long *inner, int *levels) {
     char name[32], text[STATUS_BYTES];
     snprintf(name, sizeof name, "%d/status", (int)pid);
     int fd = openat(s->proc_fd, name, O_RDONLY | O_CLOEXEC);
@@ -1195,7 +1196,10 @@ static bool parent_and_inner(struct ccs *s, pid_t pid, long *parent, long *inner
     if (err || !nth_number(status_field(text, "PPid:"), 0, &v))
         return false;
     *parent = (long)v;
-    *inner = last_number(status_field(text, "NSpid:"));
+    const char *nspid = status_field(text, "NSpid:");
+    for (*levels = 0; nth_number(nspid, *levels, &v);)
+        ++*levels;
+    *inner = last_number(nspid);
     return *inner > 0;
 }
 
@@ -1203,14 +1207,17 @@ static bool parent_and_inner(struct ccs *s, pid_t pid, long *parent, long *inner
  * In a session sandbox, the keeper the task runs under, as the sandbox numbers it: the ancestor
  * whose parent is the sandbox's PID 1 (each keeper is a subreaper, so what its command leaves is
  * reparented to it, never past it). The task is asleep in its call, so its ancestry is there to
- * be read; 0 when it cannot be found.
+ * be read; 0 when it cannot be found, or when the walk would leave the task's PID namespace
+ * (the task is that PID 1).
  */
 static long keeper_of(struct ccs *s, pid_t tid) {
     long parent, inner, up_parent, up_inner;
-    if (!parent_and_inner(s, tid, &parent, &inner))
+    int levels, up_levels;
+    if (!parent_and_inner(s, tid, &parent, &inner, &levels))
         return 0;
     for (int depth = 0; depth < 4096 && parent > 0; depth++) {
-        if (!parent_and_inner(s, (pid_t)parent, &up_parent, &up_inner))
+        if (!parent_and_inner(s, (pid_t)parent, &up_parent, &up_inner, &up_levels) ||
+            up_levels != levels)
             return 0;
         if (up_inner == 1)
             return inner;
