@@ -8,6 +8,7 @@ in `command_policy.toml`, checked when this module is imported: a malformed tabl
 from __future__ import annotations
 
 import functools
+import itertools
 import posixpath
 import re
 import shlex
@@ -87,6 +88,10 @@ class CommandPolicy:
     exec_options: Mapping[str, frozenset[str]]
     redirect_modes: frozenset[Mode]
     redirect_reason: str
+    variable_modes: frozenset[Mode] = frozenset()
+    variable_names: frozenset[str] = frozenset()
+    variable_setters: frozenset[str] = frozenset()
+    variable_reason: str = ""
 
 
 _RULE_KEYS = frozenset(
@@ -102,7 +107,9 @@ _RULE_KEYS = frozenset(
         "reason",
     }
 )
-_TOP_KEYS = frozenset({"redirects", "wrappers", "shells", "value_options", "exec_options", "rule"})
+_TOP_KEYS = frozenset(
+    {"redirects", "variables", "wrappers", "shells", "value_options", "exec_options", "rule"}
+)
 
 
 def _fail(where: str, problem: str) -> InvalidCommandPolicy:
@@ -197,6 +204,14 @@ def load_command_policy(text: str) -> CommandPolicy:
     exec_options = doc.get("exec_options", {})
     if not isinstance(exec_options, dict):
         raise _fail("exec_options", "must be a table")
+    variables = doc.get("variables", {})
+    if not isinstance(variables, dict) or set(variables) - {
+        "deny_in",
+        "names",
+        "setters",
+        "reason",
+    }:
+        raise _fail("variables", "must hold only 'deny_in', 'names', 'setters' and 'reason'")
     raw_rules = doc.get("rule", [])
     if not isinstance(raw_rules, list):
         raise _fail("rule", "must be an array of tables")
@@ -212,6 +227,10 @@ def load_command_policy(text: str) -> CommandPolicy:
         },
         redirect_modes=_modes(redirects.get("deny_in", []), "redirects.deny_in"),
         redirect_reason=str(redirects.get("reason", "writes a file through a redirection")),
+        variable_modes=_modes(variables.get("deny_in", []), "variables.deny_in"),
+        variable_names=frozenset(_strings(variables.get("names", []), "variables.names")),
+        variable_setters=frozenset(_strings(variables.get("setters", []), "variables.setters")),
+        variable_reason=str(variables.get("reason", "sets a refused environment variable")),
     )
 
 
@@ -342,6 +361,18 @@ def _split_string_value(word: str) -> str:
     return word
 
 
+def _check_variables(policy: CommandPolicy, action: Action, words: Sequence[str]) -> None:
+    """Refuse a command that assigns one of [variables]' names: as a leading `NAME=value`, or
+    named (with or without a value) to a setter (`export NAME`, `declare -x NAME=v`)."""
+    named = [w.partition("=")[0] for w in itertools.takewhile(_ASSIGNMENT.match, words)]
+    rest = words[len(named) :]
+    if rest and posixpath.basename(rest[0]) in policy.variable_setters:
+        named += [w.partition("=")[0] for w in rest[1:]]
+    for name in named:
+        if name in policy.variable_names:
+            raise _refuse(action, f"{name!r} {policy.variable_reason}")
+
+
 def _rule_applies(
     rule: CommandRule, args: Sequence[str], words: Sequence[str], global_args: Sequence[str]
 ) -> bool:
@@ -390,6 +421,8 @@ def _check_simple(
         clean.append(token)
         i += 1
     # Leading assignments and wrappers.
+    if mode in policy.variable_modes:
+        _check_variables(policy, action, clean)
     while clean and _ASSIGNMENT.match(clean[0]):
         clean.pop(0)
     if not clean:
