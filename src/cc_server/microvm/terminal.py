@@ -12,11 +12,10 @@ import asyncio
 import contextlib
 from typing import Final
 
-from cc_server.errors import BadSpec, CcServerError
+from cc_server.errors import CcServerError
 from cc_server.microvm.handle import MicroVMHandle, VmExecution
-from cc_server.policy import SandboxBackend
 from cc_server.runtime.events import EventType
-from cc_server.terminal.session import MAX_WINDOW
+from cc_server.terminal.session import HandleSession, check_window
 
 __all__ = ["GUEST_SHELL", "VmTerminalSession", "open_vm_terminal"]
 
@@ -25,13 +24,10 @@ EXIT_WAIT_S: Final = 5.0
 _DROPPED = (CcServerError, OSError)  # input or a resize for a VM that is gone: dropped
 
 
-def _check_window(rows: int, cols: int) -> None:
-    if not (1 <= rows <= MAX_WINDOW and 1 <= cols <= MAX_WINDOW):
-        raise BadSpec(f"window size {rows}x{cols} is outside 1..{MAX_WINDOW}")
-
-
-class VmTerminalSession:
+class VmTerminalSession(HandleSession):
     """A shell on a guest PTY."""
+
+    handle: MicroVMHandle
 
     def __init__(self, handle: MicroVMHandle, execution: VmExecution) -> None:
         self.handle = handle
@@ -42,27 +38,9 @@ class VmTerminalSession:
         self._exited = asyncio.Event()
 
     @property
-    def session_id(self) -> str:
-        """The session's id (the handle's)."""
-        return self.handle.session_id
-
-    @property
-    def backend(self) -> SandboxBackend:
-        """Always `microvm`: the badge a client may show."""
-        return self.handle.backend
-
-    @property
     def pid(self) -> int:
         """The host pid of the VM (QEMU); 0 while it is suspended."""
         return self.handle.qemu_pid or 0
-
-    def to_json(self) -> dict[str, object]:
-        """What a client is told when the session opens."""
-        return {
-            "sessionId": self.session_id,
-            "backend": str(self.backend),
-            "cwd": self.handle.policy.workdir,
-        }
 
     async def read(self) -> bytes:
         """Output since the last call, waiting for some; b"" once the shell has exited or the
@@ -91,7 +69,7 @@ class VmTerminalSession:
         Raises:
             BadSpec: rows or cols outside 1..MAX_WINDOW.
         """
-        _check_window(rows, cols)
+        check_window(rows, cols)
         if not self._closed:
             with contextlib.suppress(*_DROPPED):
                 self._execution.set_window(rows, cols)
@@ -137,7 +115,7 @@ async def open_vm_terminal(
         BadSpec: the window size is out of range.
         CcServerError: the VM did not start or the shell could not run.
     """
-    _check_window(rows, cols)
+    check_window(rows, cols)
     execution = handle.exec([GUEST_SHELL, "-l"], env={**env, "SHELL": GUEST_SHELL}, cwd=cwd,
                             pty=(rows, cols))
     await execution.__aenter__()

@@ -20,7 +20,13 @@ from cc_server.errors import BadSpec
 from cc_server.policy import SandboxBackend
 from cc_server.runtime.handle import SandboxHandle
 
-__all__ = ["MAX_WINDOW", "TerminalSession", "open_terminal_session"]
+__all__ = [
+    "MAX_WINDOW",
+    "HandleSession",
+    "TerminalSession",
+    "check_window",
+    "open_terminal_session",
+]
 
 READ_CHUNK_BYTES: Final = 64 * 1024  # one read from the PTY master
 # Output held for a client that reads slowly; past this the PTY is not read, so the shell blocks
@@ -31,7 +37,38 @@ EXIT_WAIT_S: Final = 5.0  # after SIGKILL, how long the shell may take to be rea
 KILL_ROUNDS: Final = 5  # rescans for processes forked while the previous round was killing
 
 
-class TerminalSession:
+def check_window(rows: int, cols: int) -> None:
+    """Raise BadSpec for a window size the kernel cannot hold."""
+    if not (1 <= rows <= MAX_WINDOW and 1 <= cols <= MAX_WINDOW):
+        raise BadSpec(f"window size {rows}x{cols} is outside 1..{MAX_WINDOW}")
+
+
+class HandleSession:
+    """What every terminal session tells of itself, from the handle it runs under (a host PTY
+    here, a guest PTY in cc_server.microvm.terminal)."""
+
+    handle: SandboxHandle
+
+    @property
+    def session_id(self) -> str:
+        """The session's id (the handle's)."""
+        return self.handle.session_id
+
+    @property
+    def backend(self) -> SandboxBackend:
+        """The backend actually running the shell: the badge a client may show."""
+        return self.handle.backend
+
+    def to_json(self) -> dict[str, object]:
+        """What a client is told when the session opens."""
+        return {
+            "sessionId": self.session_id,
+            "backend": str(self.backend),
+            "cwd": self.handle.policy.workdir,
+        }
+
+
+class TerminalSession(HandleSession):
     """A shell on a PTY. Read output with `read()`, send input with `write()`, resize, close."""
 
     def __init__(
@@ -51,27 +88,9 @@ class TerminalSession:
         self._resume_reading()
 
     @property
-    def session_id(self) -> str:
-        """The session's id (the handle's)."""
-        return self.handle.session_id
-
-    @property
-    def backend(self) -> SandboxBackend:
-        """The backend actually running the shell: the badge a client may show."""
-        return self.handle.backend
-
-    @property
     def pid(self) -> int:
         """The host pid of the spawned program (the shell, or bwrap on `native`)."""
         return self._pty.process.pid
-
-    def to_json(self) -> dict[str, object]:
-        """What a client is told when the session opens."""
-        return {
-            "sessionId": self.session_id,
-            "backend": str(self.backend),
-            "cwd": self.handle.policy.workdir,
-        }
 
     # --- output ---------------------------------------------------------------------------------
 
@@ -151,8 +170,7 @@ class TerminalSession:
         Raises:
             BadSpec: rows or cols outside 1..MAX_WINDOW.
         """
-        if not (1 <= rows <= MAX_WINDOW and 1 <= cols <= MAX_WINDOW):
-            raise BadSpec(f"window size {rows}x{cols} is outside 1..{MAX_WINDOW}")
+        check_window(rows, cols)
         if not self._closed:
             set_window_size(self._pty.master_fd, rows, cols)
 
@@ -207,8 +225,7 @@ async def open_terminal_session(
         BadSpec: the window size is out of range.
         CcServerError: the backend refused the plan or the shell could not start (nothing runs).
     """
-    if not (1 <= rows <= MAX_WINDOW and 1 <= cols <= MAX_WINDOW):
-        raise BadSpec(f"window size {rows}x{cols} is outside 1..{MAX_WINDOW}")
+    check_window(rows, cols)
     plan = handle.plan(Command(argv=argv, env=tuple(sorted(env.items())), cwd=cwd))
     pty = await start_pty(plan, rows, cols)
     return TerminalSession(handle=handle, pty=pty, env_marker=env_marker)
