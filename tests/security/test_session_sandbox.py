@@ -7,6 +7,8 @@ scratch, and the launcher serving the commands cannot be killed, read or bypasse
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 
 import pytest
 from escape_kit import (
@@ -257,3 +259,21 @@ async def test_a_refused_create_is_reported_to_the_command_that_made_it(sb: Sand
     assert good.violations == () and (wt / "fine.txt").exists(), good
     assert not (wt / "a.pem").exists() and not (wt / "b.key").exists()
     assert handle.details["sandboxPid"] == sandbox
+
+
+async def test_a_sandbox_whose_launcher_does_not_answer_is_closed_on_kill(sb: Sandboxes) -> None:
+    # The end of a command is reported from inside the sandbox. If nothing answers a kill (here
+    # the launcher is stopped from the host), the whole sandbox goes, and the command with it.
+    handle = sb.launch()
+    marker = unique("cc-session-wedged")
+    async with handle.exec(["/bin/sh", "-c", f": {marker}; sleep 300"]) as execution:
+        assert await wait_until(lambda: bool(host_pids_with(marker)), timeout_s=5.0)
+        sandbox = execution._sandbox  # white box: the launcher's host pid
+        assert sandbox is not None and sandbox._launcher_pid is not None
+        os.kill(sandbox._launcher_pid, signal.SIGSTOP)
+        await execution.kill()
+    assert execution.exit_code == 137
+    assert host_pids_with(marker) == []
+    assert not sandbox.alive
+    after = await sb.sh(handle, "echo served")  # the session goes on, in a new sandbox
+    assert after.stdout == b"served\n"

@@ -446,8 +446,7 @@ class Execution:
                     reader.cancel()
         finally:
             if proc.returncode is None:  # cancelled before the command ended
-                self._signal_group()
-                await self._exited()
+                await self._sigkill_and_wait(bounded=False)
             code = proc.returncode
             assert code is not None
             if self._transport is not None:
@@ -492,14 +491,25 @@ class Execution:
             return
         if proc.returncode is None and self._killed_reason is None:
             self._killed_reason = reason
+        await self._sigkill_and_wait(bounded=True)
+
+    async def _sigkill_and_wait(self, *, bounded: bool) -> None:
+        """SIGKILL the command and wait for its end. A sandbox of its own ends by the kernel's
+        hand, so unless `bounded` the wait has no limit (else at most KILL_GRACE_S). In the
+        session's sandbox the end is reported from inside: if its launcher does not answer
+        within KILL_GRACE_S, the whole sandbox is closed, which ends the command too."""
         self._signal_group()
+        if self._sandbox is None and not bounded:
+            await self._exited()
+            return
         try:
             async with asyncio.timeout(KILL_GRACE_S):
                 await self._exited()
         except TimeoutError:
-            if self._sandbox is not None:  # its launcher does not answer: end the sandbox
+            if self._sandbox is not None:
                 self.handle._retired.add(self._sandbox)
                 await self._sandbox.aclose()
+                await self._exited()  # the closed sandbox ended it (137)
 
     async def terminate(self, grace_s: float, reason: str = "shutdown") -> None:
         """SIGTERM the command's host-side process group, then `kill()` it if it has not exited
