@@ -9,6 +9,7 @@ guest, which has no route to anything).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import pathlib
 
@@ -17,6 +18,7 @@ from microvm_kit import events_of, launch, launch_with_carve_out, manager, read_
 from test_egress import ALLOWED, DENIED, LOOPBACK, FakeDns, open_upstream
 
 from cc_server.errors import EnforcementFailed
+from cc_server.microvm.mounts import GuestMount
 from cc_server.microvm.proto import FrameType
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import run_collect
@@ -110,12 +112,20 @@ async def test_a_command_racing_a_suspend_cannot_touch_a_protected_path(
     # A suspend takes the mounts off, carve-outs first; a shell whose working directory is in
     # the bind keeps it busy, so the suspend is refused and the carve-outs are put back. A
     # command looping on the protected directory must not get at it while it is off: the
-    # guest's commands are frozen meanwhile (unfrozen, this loop removed it on the first try,
-    # and the command could then recreate it and write through the bind).
+    # guest's commands are frozen meanwhile (unfrozen, this loop removes it while the carve-out
+    # is off, and the command could then recreate it and write through the bind). The carve-out
+    # stays off for a while here: a round trip to the guest alone is too short a window to lose.
     work = tmp_path / "work"
     m = manager(tmp_path)
     try:
         handle = await launch_with_carve_out(m, work)
+        put_back = handle._put_back_mounts
+
+        async def slow_put_back(steps: tuple[GuestMount, ...] | None = None) -> None:
+            await asyncio.sleep(1.0)
+            await put_back(steps)
+
+        handle._put_back_mounts = slow_put_back  # type: ignore[method-assign]
         qemu_pid = handle.qemu_pid
         async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
             events = events_of(shell)
