@@ -277,3 +277,20 @@ async def test_a_sandbox_whose_launcher_does_not_answer_is_closed_on_kill(sb: Sa
     assert not sandbox.alive
     after = await sb.sh(handle, "echo served")  # the session goes on, in a new sandbox
     assert after.stdout == b"served\n"
+
+
+async def test_a_refusal_under_a_killed_keeper_is_still_reported(sb: Sandboxes) -> None:
+    # A process whose keeper was killed from inside runs under no keeper the runtime knows: its
+    # refusal cannot be given to one command, and is kept on the handle (and sent to every
+    # command running then) instead of being lost.
+    handle = sb.manager.launch(
+        parse_spec(sb.spec()), deny_create_globs=list(STANDARD_DENY_CREATE_GLOBS)
+    )
+    wt = sb.worktree
+    script = f'kill -9 "$PPID"; sleep 0.2; echo > {wt}/orphan.pem; echo created=$?'
+    result = await run_collect(handle, ["/bin/sh", "-c", script], timeout_s=RUN_TIMEOUT_S)
+    assert result.exit_code == 137, result
+    assert not (wt / "orphan.pem").exists()
+    assert await wait_until(
+        lambda: [v.target for v in handle.violations] == [f"{wt}/orphan.pem"]
+    ), handle.violations
