@@ -123,8 +123,8 @@ class TerminalSessionService:
         from cc_server.microvm.handle import MicroVMHandle
         from cc_server.microvm.terminal import GUEST_SHELL, open_vm_terminal
 
-        assert isinstance(handle, MicroVMHandle) and cwd is not None
         try:
+            assert isinstance(handle, MicroVMHandle) and cwd is not None
             await handle.ready()
             session = await open_vm_terminal(
                 handle, env=self._env(handle.backend, GUEST_SHELL), cwd=cwd, rows=rows, cols=cols
