@@ -141,9 +141,12 @@ def test_a_sandbox_per_command_when_a_session_sandbox_cannot_serve_it(
     assert plan.argv[plan.argv.index("--chdir") + 1] == "/work/src"
 
 
-def test_the_seccomp_filter_is_part_of_what_must_be_equal() -> None:
+def test_the_seccomp_filter_is_part_of_what_must_be_equal(monkeypatch: pytest.MonkeyPatch) -> None:
     plan = _plan()
     assert FdArg(name="seccomp.bpf", data=FAKE_BPF) in plan.argv
+    # Another filter (a new build of the server, another libseccomp): another sandbox.
+    monkeypatch.setattr(bwrap_mod, "filter_bpf", lambda: FAKE_BPF * 2)
+    assert _plan().argv != plan.argv
 
 
 def test_with_create_time_globs_the_launcher_installs_their_filter_before_it_serves() -> None:
