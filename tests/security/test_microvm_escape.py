@@ -215,6 +215,11 @@ async def test_the_agent_channel_is_out_of_reach(tmp_path: pathlib.Path) -> None
         await m.aclose()
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(x for x in f if x.startswith("PPid:")).split()[1])
+
+
 def _qemu_in(root: int) -> int:
     """QEMU's pid in the VM's host process tree (bubblewrap's child's child)."""
     for name in os.listdir("/proc"):
@@ -223,17 +228,14 @@ def _qemu_in(root: int) -> int:
         try:
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 argv0 = f.read().split(b"\0")[0]
-            with open(f"/proc/{name}/status") as f:
-                ppid = int(next(x for x in f if x.startswith("PPid:")).split()[1])
+            chain = _ppid(int(name))
         except OSError:
             continue
         if argv0.endswith(b"qemu-system-x86_64"):
-            chain = ppid
             for _ in range(3):
                 if chain == root:
                     return int(name)
-                with open(f"/proc/{chain}/status") as f:
-                    chain = int(next(x for x in f if x.startswith("PPid:")).split()[1])
+                chain = _ppid(chain)
     raise AssertionError(f"no QEMU under {root}")
 
 
