@@ -193,13 +193,13 @@ async def test_a_cancelled_stop_still_ends_qemu(tmp_path: pathlib.Path) -> None:
         vm = handle._vm
         assert vm is not None
         qemu_pid, run_dir = vm.qemu.pid, vm.run_dir
-        for _ in range(3):  # the cancellation lands in the first await of the stop
+        for attempt in range(3):  # the cancellation lands in the first await of the stop
             stop = asyncio.create_task(vm.stop())
             await asyncio.sleep(0)
             stop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await stop
-        assert not alive(qemu_pid)
+            assert not alive(qemu_pid), attempt  # the first cancelled stop already ended it
         assert wait_until_gone(str(run_dir), 10) == []
     finally:
         await m.aclose()
