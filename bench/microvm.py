@@ -93,7 +93,8 @@ async def main(args: argparse.Namespace) -> int:
     # Cold boot: a template of its own, in a scratch cache directory.
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="cc-bench-microvm-"))
     try:
-        cold = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=scratch)
+        cold = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=scratch,
+                      bwrap=pool.bwrap)  # confined like every VM of the server
         started = time.perf_counter()
         await cold.template()
         cold_ms = (time.perf_counter() - started) * 1000
