@@ -8,7 +8,9 @@ This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`)
   `creat`, `mknod(at)`, `mkdir(at)`, `link(at)`, `symlink(at)`, `rename`, `renameat(2)` and
   every `bind` (the sockaddr is in memory BPF cannot read); and `umask`, the `set*id` calls and
   `execve(at)`, which the supervisor lets run once it has noted them, so it can keep what it read
-  of a task instead of reading `/proc/<tid>/status` for every create. `openat2` gets ENOSYS (its
+  of a task instead of reading `/proc/<tid>/status` for every create; and `clone`, `clone3`,
+  `fork`, `vfork` and `sched_{set,get}affinity`, let run once a task held to one CPU for a run of
+  opens has its affinity back (docs/launch.md). `openat2` gets ENOSYS (its
   flags are in memory too; libc callers fall back), io_uring EPERM (its operations bypass
   seccomp), and a `seccomp()` call asking for another listener EPERM: a newer filter's listener
   would receive the notifications first and could answer them itself.
@@ -82,7 +84,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 4  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 5  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -125,6 +127,12 @@ STATE_SYSCALLS: Final[tuple[str, ...]] = (
     "umask", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid",
     "setfsuid", "setfsgid", "setgroups", "execve", "execveat",
 )  # fmt: skip
+# Trapped so that a task the supervisor holds to one CPU for a run of opens (see reply_fd_here
+# in native/supervisor.c) gets its own affinity back before anything can inherit or read it:
+# a new thread or process, or the task's affinity asked or set. Let run once that is done.
+PIN_SYSCALLS: Final[tuple[str, ...]] = (
+    "clone", "clone3", "fork", "vfork", "sched_setaffinity", "sched_getaffinity",
+)  # fmt: skip
 SECCOMP_SET_MODE_FILTER: Final = 1
 SECCOMP_FILTER_FLAG_NEW_LISTENER: Final = 1 << 3
 SECCOMP_LISTENER_LINK: Final = "anon_inode:seccomp notify"  # readlink of a listener fd
@@ -144,7 +152,7 @@ def notify_filter_bpf() -> bytes:
     flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, os.O_CREAT, os.O_CREAT))
     for name, _reason in TRAPPED_SYSCALLS:
         flt.add_rule(sc.NOTIFY, name)
-    for name in STATE_SYSCALLS:
+    for name in (*STATE_SYSCALLS, *PIN_SYSCALLS):
         flt.add_rule(sc.NOTIFY, name)
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):

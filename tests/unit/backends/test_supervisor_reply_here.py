@@ -1,9 +1,10 @@
 """The supervisor's fast paths against the real kernel, with the workers a sandbox runs.
 
-An open is answered with the task held on the worker's CPU while its fd is installed: the task
-must never run its own code with that affinity (nor fork or exec with it). An open whose path
-has no symlink and no ".." above its start is done in one openat2: it must agree with the full
-walk on every result, errno and report.
+An open is answered with the task held on the worker's CPU for a run of opens: no call may ever
+show or pass on that affinity (a new thread, fork, vfork or the task's own affinity calls), and
+it must be given back when the run ends. An open whose path has no symlink and no ".." above its
+start is done in one openat2: it must agree with the full walk on every result, errno and
+report.
 """
 
 from __future__ import annotations
@@ -71,6 +72,69 @@ def test_a_create_leaves_the_tasks_affinity_as_it_was(tmp_path: pathlib.Path, cp
         assert stats.replies_here == 0, stats
     else:
         assert stats.replies_here > 0, stats  # the path under test was taken
+
+
+PIN_INHERIT_CHECK = textwrap.dedent(
+    """
+    import os, subprocess, threading, time
+
+    def allowed():  # read with no trapped call: /proc shows the mask as it is
+        with open("/proc/thread-self/status") as f:
+            return next(l.split()[1] for l in f if l.startswith("Cpus_allowed_list:"))
+
+    def in_thread():
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(allowed()))
+        t.start()
+        t.join()
+        return seen[0]
+
+    def in_fork():
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(w, allowed().encode())
+            os._exit(0)
+        os.close(w)
+        got = os.read(r, 100).decode()
+        os.close(r)
+        os.waitpid(pid, 0)
+        return got
+
+    def in_spawn():  # subprocess uses vfork here
+        out = subprocess.run(["grep", "Cpus_allowed_list", "/proc/self/status"],
+                             capture_output=True, text=True, check=True).stdout
+        return out.split()[1]
+
+    def after_a_pause():
+        time.sleep(0.05)
+        return allowed()
+
+    want = allowed()
+    checks = {"thread": in_thread, "fork": in_fork, "spawn": in_spawn, "pause": after_a_pause}
+    bad = dict.fromkeys(checks, 0)
+    for i in range(60):
+        name = list(checks)[i % len(checks)]
+        os.close(os.open(f"f{i}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        bad[name] += checks[name]() != want
+    print(" ".join(f"{k}={v}" for k, v in bad.items()))
+    """
+)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to hold a task to one")
+def test_a_held_task_passes_on_no_pin_and_gets_its_affinity_back(tmp_path: pathlib.Path) -> None:
+    # Right after an open the task may still be held to the worker's CPU: a thread, a fork or a
+    # vfork'd child it starts next must not inherit that, and a pause must end it.
+    (tmp_path / "check.py").write_text(PIN_INHERIT_CHECK)
+    launch = Launch([PYTHON, "check.py"], str(tmp_path), workers=WORKERS)
+    assert launch.supervisor is not None
+    assert launch.proc.wait(timeout=60) == 0
+    stats = launch.supervisor.stats()
+    result = launch.finish()
+    assert result.stdout.split() == ["thread=0", "fork=0", "spawn=0", "pause=0"], result
+    assert result.faults == [] and result.refused == []
+    assert stats.replies_here > 0, stats  # tasks were held
 
 
 def test_without_reply_here_every_open_still_gets_its_fd(tmp_path: pathlib.Path) -> None:

@@ -37,7 +37,9 @@
  *
  * umask(2), the set*id calls and execve(at) are trapped too, only so that the cache of step 1
  * stays true: none creates a name, and each is let run (SECCOMP_USER_NOTIF_FLAG_CONTINUE) once
- * noted (see state_change). Every call that can create a name is emulated, never continued.
+ * noted (see state_change). So are clone, clone3, fork, vfork and sched_{set,get}affinity, only
+ * so that a task held to a CPU for a run of opens gets its affinity back first (see
+ * reply_fd_here). Every call that can create a name is emulated, never continued.
  *
  * Threads: the first worker polls the listener and takes every call while they come from one
  * task at a time. The kernel wakes it on the trapping task's CPU when
@@ -92,7 +94,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CCS_ABI_VERSION 4
+#define CCS_ABI_VERSION 5
 
 #ifndef SECCOMP_ADDFD_FLAG_SEND
 #define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
@@ -132,14 +134,25 @@
 #define STOP_RESCUE_MS 10         /* while stopping: how often waiting helpers are released */
 #define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
-#define PIN_IDLE_MS 1             /* a worker held to one CPU for a run of opens (reply_fd_here)
-                                     gets its own affinity back after this long without a call */
+#define PIN_IDLE_MS 1             /* a worker and a task held to one CPU for a run of opens
+                                     (reply_fd_here) get their own affinity back after this long
+                                     without a call */
 #define CROWD_MS 10               /* after calls of two tasks overlap: how long every worker polls
                                      and opens are answered without holding a task to a CPU */
 
 enum { KIND_REFUSED = 'R', KIND_ERROR = 'E' };
 
 struct helper;
+
+/* A glob of ASCII letters and digits and punctuation with no metacharacter ("x.pem", ".env"),
+ * or one with a single leading "*" ("*.pem"), is tested with a byte comparison that folds ASCII
+ * case; any other glob, and every name with a byte outside ASCII, goes to fnmatch. */
+enum glob_kind { GLOB_FNMATCH, GLOB_LITERAL, GLOB_SUFFIX };
+struct glob_form {
+    enum glob_kind kind;
+    const char *text; /* the literal, or the suffix after the "*" */
+    size_t len;
+};
 
 struct ccs {
     int listener;
@@ -148,6 +161,7 @@ struct ccs {
     int proc_fd;    /* the host's /proc, O_PATH */
     char *glob_blob;
     char **globs;
+    struct glob_form *forms; /* one per glob: how glob_match may test it without fnmatch */
     int nglobs;
     uid_t uid;
     gid_t gid;
@@ -181,6 +195,12 @@ struct ccs {
     } pending[MAX_PENDING];
     atomic_ullong cache_hits;
     atomic_ullong replies_here; /* opens answered with the task kept on the worker's CPU */
+    /* The task reply_fd_here holds to a CPU, if any (one at a time), under pin_lock. */
+    pthread_mutex_t pin_lock;
+    atomic_int pin_tid; /* 0: none */
+    int pin_pidfd;      /* the task's own pidfd (a dup), or -1 */
+    int pin_cpu;
+    cpu_set_t pin_saved; /* its affinity before */
     bool sync_wake; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP was accepted */
     bool reply_here; /* answer opens on the worker's CPU (reply_fd_here) */
 };
@@ -401,6 +421,15 @@ static void report_error(struct req *q, const char *target, const char *fmt, ...
     report(q->s, KIND_ERROR, q->sysname, target, "", detail);
 }
 
+/* Let the call run as it is: only for calls that create no name (state_change, pin points). */
+static void respond_continue(struct ccs *s, uint64_t id) {
+    struct seccomp_notif_resp resp;
+    memset(&resp, 0, sizeof resp);
+    resp.id = id;
+    resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
+    ioctl(s->listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+}
+
 static void respond(struct ccs *s, uint64_t id, int64_t val, int err) {
     struct seccomp_notif_resp resp;
     memset(&resp, 0, sizeof resp);
@@ -411,53 +440,18 @@ static void respond(struct ccs *s, uint64_t id, int64_t val, int err) {
     ioctl(s->listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
 }
 
-/*
- * Hand `fd` to the task as its open's result, keeping the task on this CPU. The kernel wakes the
- * task for SECCOMP_IOCTL_NOTIF_ADDFD with an ordinary wake-up, never on the waker's CPU (the sync
- * wake-up flag covers only the notification and SECCOMP_IOCTL_NOTIF_SEND), so the scheduler puts
- * it on another CPU whenever one is idle; and an idle vCPU here halts, so that wake-up costs
- * ~20 us. For the wake-up only, the task and this worker are allowed this CPU alone:
- *   1. pin this worker (unless it already is: it stays so for a run of opens and gets its own
- *      affinity back after PIN_IDLE_MS without a call), then the task, asleep in its call, to
- *      the CPU this worker runs on;
- *   2. SECCOMP_IOCTL_NOTIF_ADDFD without ADDFD_FLAG_SEND: the task wakes here, installs the fd
- *      and goes back to waiting for the answer (WAIT_KILLABLE_RECV: only a fatal signal ends
- *      that wait), and wakes this worker, also here;
- *   3. give the task back the affinity it had;
- *   4. SECCOMP_IOCTL_NOTIF_SEND with the fd number: a sync wake-up, on this CPU.
- * The task never runs its own code while pinned: it is asleep in the call from step 1 to step
- * 4, so no child it forks and no exec inherits the pin. While it sleeps another of its threads
- * could see (or change, and then lose the change to step 3) its affinity. Returns false when
- * nothing was done: the caller answers with ADDFD_FLAG_SEND instead. Our copy of `fd` is closed
- * when true.
- */
-static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cloexec) {
-    if (!s->reply_here || !worker_cpus_known || crowded(s))
-        return false; /* tasks on several CPUs: holding them to this one would crowd it */
-    int cpu = sched_getcpu();
-    cpu_set_t task_cpus, here;
-    /* A task already held to one CPU, or kept off this one, is left alone. */
-    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &worker_cpus) ||
-        sched_getaffinity(tid, sizeof task_cpus, &task_cpus) < 0 || !CPU_ISSET(cpu, &task_cpus) ||
-        CPU_COUNT(&task_cpus) < 2)
-        return false;
-    CPU_ZERO(&here);
-    CPU_SET(cpu, &here);
-    if (worker_held_on != cpu) {
-        if (sched_setaffinity(0, sizeof here, &here) < 0)
-            return false;
-        worker_held_on = cpu;
-    }
-    if (sched_setaffinity(tid, sizeof here, &here) < 0)
-        return false;
-    struct seccomp_notif_addfd addfd;
-    memset(&addfd, 0, sizeof addfd);
-    addfd.id = id;
-    addfd.srcfd = (uint32_t)fd;
-    addfd.newfd_flags = cloexec ? O_CLOEXEC : 0;
-    int installed = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
-    int err = errno;
-    if (sched_setaffinity(tid, sizeof task_cpus, &task_cpus) < 0 && errno != ESRCH) {
+/* Give the held task (if any) its affinity back: unless something else changed it meanwhile
+ * (the host, or its cpuset), or the task is gone. Called with pin_lock held. */
+static void pin_restore_locked(struct ccs *s) {
+    pid_t tid = atomic_load(&s->pin_tid);
+    if (tid == 0)
+        return;
+    cpu_set_t now, held;
+    CPU_ZERO(&held);
+    CPU_SET(s->pin_cpu, &held);
+    bool alive = s->pin_pidfd < 0 || task_alive(s->pin_pidfd);
+    if (alive && sched_getaffinity(tid, sizeof now, &now) == 0 && CPU_EQUAL(&now, &held) &&
+        sched_setaffinity(tid, sizeof s->pin_saved, &s->pin_saved) < 0 && errno != ESRCH) {
         /* Its cpuset changed meanwhile: every CPU it may use, rather than this one alone. */
         cpu_set_t all;
         memset(&all, 0xff, sizeof all);
@@ -466,19 +460,94 @@ static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cl
             report(s, KIND_ERROR, "openat", "", "", "cannot give the task its CPU affinity back");
         }
     }
-    if (installed >= 0) {
-        atomic_fetch_add(&s->replies_here, 1);
-        respond(s, id, installed, 0);
-    } else if (err != ENOENT && err != ESRCH) { /* gone: nothing waits for the answer */
-        respond(s, id, 0, err); /* e.g. EMFILE: the task's fd limit */
+    if (s->pin_pidfd >= 0)
+        close(s->pin_pidfd);
+    s->pin_pidfd = -1;
+    atomic_store(&s->pin_tid, 0);
+}
+
+/* Give the held task its affinity back: any held task (only = 0), or only `only`. */
+static void pin_release(struct ccs *s, pid_t only) {
+    pid_t tid = atomic_load(&s->pin_tid);
+    if (tid == 0 || (only && tid != only))
+        return;
+    pthread_mutex_lock(&s->pin_lock);
+    if (!only || atomic_load(&s->pin_tid) == only)
+        pin_restore_locked(s);
+    pthread_mutex_unlock(&s->pin_lock);
+}
+
+/*
+ * Hand `fd` to the task as its open's result, keeping the task on this CPU. The kernel wakes the
+ * task for SECCOMP_IOCTL_NOTIF_ADDFD with an ordinary wake-up, never on the waker's CPU (the sync
+ * wake-up flag covers only the notification and SECCOMP_IOCTL_NOTIF_SEND), so the scheduler puts
+ * it on another CPU whenever one is idle; and an idle vCPU here halts, so that wake-up costs
+ * ~20 us. So for a run of opens the task and this worker are allowed this CPU alone:
+ *   1. pin this worker (it stays so for the run: see PIN_IDLE_MS), then the task, unless it
+ *      already is (it stays so for the run too);
+ *   2. SECCOMP_IOCTL_NOTIF_ADDFD with ADDFD_FLAG_SEND: the task wakes here, installs the fd and
+ *      returns from its call. This worker is SCHED_BATCH, so its own wake-up (the ioctl's end)
+ *      does not preempt the task: it runs when the task next sleeps, typically in its next
+ *      trapped call. A create then costs two context switches, not four.
+ * The task runs its own code with the pin between its opens, and gets its affinity back
+ * (pin_release) before anything can inherit or read it through a call: a clone, clone3, fork,
+ * vfork, exec or sched_{set,get}affinity of it is trapped and first releases it; and when the
+ * run ends: PIN_IDLE_MS without a call, a call of another task, or calls of tasks overlapping.
+ * Only /proc/<pid>/status shows the pin meanwhile. Returns false when nothing was done: the
+ * caller answers with ADDFD_FLAG_SEND alone. Our copy of `fd` is closed when true.
+ */
+static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool cloexec) {
+    if (!s->reply_here || !worker_cpus_known || crowded(s))
+        return false; /* tasks on several CPUs: holding them to this one would crowd it */
+    int cpu = sched_getcpu();
+    if (cpu < 0 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &worker_cpus))
+        return false;
+    cpu_set_t here;
+    CPU_ZERO(&here);
+    CPU_SET(cpu, &here);
+    if (worker_held_on != cpu) {
+        if (sched_setaffinity(0, sizeof here, &here) < 0)
+            return false;
+        worker_held_on = cpu;
     }
-    close(fd); /* after the answer: the task need not wait for it */
+    pthread_mutex_lock(&s->pin_lock);
+    bool held = atomic_load(&s->pin_tid) == tid && s->pin_cpu == cpu;
+    if (!held) {
+        pin_restore_locked(s); /* another task, or this one on another CPU */
+        cpu_set_t task_cpus;
+        /* A task already held to one CPU, or kept off this one, is left alone. */
+        if (sched_getaffinity(tid, sizeof task_cpus, &task_cpus) == 0 &&
+            CPU_ISSET(cpu, &task_cpus) && CPU_COUNT(&task_cpus) >= 2 &&
+            sched_setaffinity(tid, sizeof here, &here) == 0) {
+            s->pin_pidfd = pidfd >= 0 ? fcntl(pidfd, F_DUPFD_CLOEXEC, 0) : -1;
+            s->pin_cpu = cpu;
+            s->pin_saved = task_cpus;
+            atomic_store(&s->pin_tid, tid);
+            held = true;
+        }
+    }
+    pthread_mutex_unlock(&s->pin_lock);
+    if (!held)
+        return false;
+    struct seccomp_notif_addfd addfd;
+    memset(&addfd, 0, sizeof addfd);
+    addfd.id = id;
+    addfd.flags = SECCOMP_ADDFD_FLAG_SEND;
+    addfd.srcfd = (uint32_t)fd;
+    addfd.newfd_flags = cloexec ? O_CLOEXEC : 0;
+    int r = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
+    int err = errno;
+    close(fd);
+    if (r >= 0)
+        atomic_fetch_add(&s->replies_here, 1);
+    else if (err != ENOENT && err != ESRCH) /* gone: nothing waits for the answer */
+        respond(s, id, 0, err);               /* e.g. EMFILE: the task's fd limit */
     return true;
 }
 
 /* Hand `fd` to the task as the syscall's result; our copy is closed. */
-static void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cloexec) {
-    if (tid > 0 && reply_fd_here(s, id, tid, fd, cloexec))
+static void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool cloexec) {
+    if (tid > 0 && reply_fd_here(s, id, tid, pidfd, fd, cloexec))
         return;
     struct seccomp_notif_addfd addfd;
     memset(&addfd, 0, sizeof addfd);
@@ -497,9 +566,58 @@ static bool id_valid(struct ccs *s, uint64_t id) {
     return ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ID_VALID, &id) == 0;
 }
 
+static struct glob_form glob_form_of(const char *glob) {
+    struct glob_form f = {.kind = GLOB_FNMATCH, .text = glob, .len = 0};
+    const char *lit = glob[0] == '*' ? glob + 1 : glob;
+    for (const char *c = lit; *c; c++) {
+        if ((unsigned char)*c >= 0x80 || strchr("*?[]\\", *c))
+            return f;
+    }
+    f.kind = lit == glob ? GLOB_LITERAL : GLOB_SUFFIX;
+    f.text = lit;
+    f.len = strlen(lit);
+    return f;
+}
+
+static bool ascii_name(const char *name, size_t *len) {
+    size_t i = 0;
+    for (; name[i]; i++) {
+        if ((unsigned char)name[i] >= 0x80)
+            return false;
+    }
+    *len = i;
+    return true;
+}
+
+static bool ascii_caseeq(const char *a, const char *b, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        unsigned char x = (unsigned char)a[i], y = (unsigned char)b[i];
+        if (x >= 'A' && x <= 'Z')
+            x = (unsigned char)(x - 'A' + 'a');
+        if (y >= 'A' && y <= 'Z')
+            y = (unsigned char)(y - 'A' + 'a');
+        if (x != y)
+            return false;
+    }
+    return true;
+}
+
+/* Whether `name` matches a glob, case-insensitively (fnmatch with FNM_CASEFOLD; an ASCII name
+ * against a glob of glob_form_of's two simple kinds is compared directly: the same answer, at a
+ * tenth of the cost, and ASCII letters fold as ASCII in every locale). */
 static bool glob_match(struct ccs *s, const char *name, const char **which) {
+    size_t len = 0;
+    bool ascii = ascii_name(name, &len);
     for (int i = 0; i < s->nglobs; i++) {
-        if (fnmatch(s->globs[i], name, FNM_CASEFOLD) == 0) {
+        const struct glob_form *f = &s->forms[i];
+        bool hit;
+        if (ascii && f->kind == GLOB_LITERAL)
+            hit = len == f->len && ascii_caseeq(name, f->text, len);
+        else if (ascii && f->kind == GLOB_SUFFIX)
+            hit = len >= f->len && ascii_caseeq(name + len - f->len, f->text, f->len);
+        else
+            hit = fnmatch(s->globs[i], name, FNM_CASEFOLD) == 0;
+        if (hit) {
             *which = s->globs[i];
             return true;
         }
@@ -724,11 +842,7 @@ static void state_change(struct ccs *s, struct seccomp_notif *n) {
         atomic_fetch_add(&s->state_gen, 1);
         pthread_mutex_unlock(&s->lock);
     }
-    struct seccomp_notif_resp resp;
-    memset(&resp, 0, sizeof resp);
-    resp.id = n->id;
-    resp.flags = SECCOMP_USER_NOTIF_FLAG_CONTINUE;
-    ioctl(s->listener, SECCOMP_IOCTL_NOTIF_SEND, &resp);
+    respond_continue(s, n->id);
 }
 
 static int parse_status(const char *text, struct task_info *ti) {
@@ -1250,7 +1364,7 @@ static void open_fifo(struct req *q, int obj_fd, int flags) {
             if (!(flags & O_NONBLOCK))
                 fcntl(fd, F_SETFL, flags & (O_APPEND | O_DIRECT | O_NOATIME));
             close(obj_fd);
-            respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, cloexec);
+            respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, cloexec);
             return;
         }
         if ((flags & O_NONBLOCK) || errno != ENXIO) {
@@ -1322,7 +1436,7 @@ static void *fifo_helper(void *arg) {
     close(h->obj_fd);
     pthread_mutex_unlock(&s->lock);
     if (fd >= 0)
-        respond_fd(s, h->id, 0, fd, h->cloexec); /* a helper keeps no CPU affinity to give */
+        respond_fd(s, h->id, 0, -1, fd, h->cloexec); /* a helper keeps no CPU affinity to give */
     else
         respond(s, h->id, 0, err);
     pthread_mutex_lock(&s->lock);
@@ -1427,7 +1541,7 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     }
     if (!(flags & O_NONBLOCK) && !(flags & O_EXCL))
         fcntl(fd, F_SETFL, flags & SETFL_KEEP);
-    respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, flags & O_CLOEXEC);
+    respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, flags & O_CLOEXEC);
     return true;
 }
 
@@ -1530,7 +1644,7 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
     }
     if (!(flags & O_NONBLOCK) && !(flags & O_EXCL) && !opath)
         fcntl(fd, F_SETFL, flags & SETFL_KEEP);
-    respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, cloexec);
+    respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, cloexec);
 }
 
 /* A name about to be created by mknod, mkdir, symlink, link or bind: checked, then made. */
@@ -1823,6 +1937,23 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
 /* The calls that change a task's umask or fs credentials, or (an exec by a thread that does
  * not lead its group, which takes over the leader's id) what a thread id stands for: trapped so
  * the cache can follow. */
+/* Calls that could pass on or show a CPU pin (reply_fd_here): let run once it is released. */
+static bool is_pin_point(int nr) {
+    switch (nr) {
+    case SYS_clone:
+    case SYS_clone3:
+#ifdef SYS_fork
+    case SYS_fork:
+#endif
+#ifdef SYS_vfork
+    case SYS_vfork:
+#endif
+    case SYS_sched_setaffinity:
+    case SYS_sched_getaffinity: return true;
+    default: return false;
+    }
+}
+
 static bool is_state_change(int nr) {
     switch (nr) {
     case SYS_umask:
@@ -1929,11 +2060,20 @@ static void handle(struct ccs *s, struct seccomp_notif *n) {
     struct req q = {.s = s, .n = n, .proc_fd = -1, .pidfd = -1, .root_fd = -1};
     q.sysname = syscall_name(n->data.nr);
     if (n->data.arch != NATIVE_ARCH || (X32_SYSCALL_BIT && (n->data.nr & X32_SYSCALL_BIT)) ||
-        (q.sysname == NULL && !is_state_change(n->data.nr))) {
+        (q.sysname == NULL && !is_state_change(n->data.nr) && !is_pin_point(n->data.nr))) {
         q.sysname = "?";
         report_error(&q, "", "undecodable notification: arch %#x nr %d", n->data.arch,
                      n->data.nr);
         respond(s, n->id, 0, ENOSYS);
+        return;
+    }
+    /* A held task keeps its pin only through a run of its own opens (see reply_fd_here). */
+    pid_t held = atomic_load(&s->pin_tid);
+    if (held && (held != (pid_t)n->pid || is_pin_point(n->data.nr) ||
+                 is_state_change(n->data.nr)))
+        pin_release(s, 0);
+    if (is_pin_point(n->data.nr)) {
+        respond_continue(s, n->id);
         return;
     }
     if (is_state_change(n->data.nr)) {
@@ -2004,6 +2144,10 @@ static void *worker(void *arg) {
 
     tid_cache_init();
     worker_cpus_known = sched_getaffinity(0, sizeof worker_cpus, &worker_cpus) == 0;
+    /* SCHED_BATCH: a worker woken while a task runs on its CPU (the end of an ADDFD, see
+     * reply_fd_here) waits for the task to sleep instead of preempting it. Same CPU share. */
+    struct sched_param batch = {0};
+    sched_setscheduler(0, SCHED_BATCH, &batch);
     int index = atomic_fetch_add(&s->next_worker, 1);
     pid_t last_tid = 0;
     struct seccomp_notif notif;
@@ -2020,9 +2164,9 @@ static void *worker(void *arg) {
         }
         struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
                               {.fd = s->stop_fd, .events = POLLIN}};
-        int timeout = atomic_load(&s->nhelpers) ? HELPER_POLL_MS
-                      : worker_held_on >= 0     ? PIN_IDLE_MS
-                                                : -1;
+        int timeout = atomic_load(&s->nhelpers)                            ? HELPER_POLL_MS
+                      : worker_held_on >= 0 || atomic_load(&s->pin_tid) ? PIN_IDLE_MS
+                                                                          : -1;
         if (index > 0) { /* back to standby when the crowd is gone */
             long long left = (atomic_load(&s->crowded_until) - now_ns()) / 1000000 + 1;
             if (timeout < 0 || left < timeout)
@@ -2042,6 +2186,7 @@ static void *worker(void *arg) {
         }
         if (r == 0) {
             worker_release_cpu();
+            pin_release(s, 0);
             if (atomic_load(&s->nhelpers))
                 rescue_helpers(s, false);
             continue;
@@ -2077,6 +2222,7 @@ static void *worker(void *arg) {
                     pthread_mutex_unlock(&s->lock);
                 }
                 worker_release_cpu();
+                pin_release(s, 0);
             }
             last_tid = (pid_t)notif.pid;
             struct timespec t0, t1;
@@ -2107,9 +2253,11 @@ static void destroy(struct ccs *s) {
         close(s->proc_fd);
     pthread_mutex_destroy(&s->recv_lock);
     pthread_mutex_destroy(&s->lock);
+    pthread_mutex_destroy(&s->pin_lock);
     pthread_cond_destroy(&s->cond);
     pthread_cond_destroy(&s->crowd_cond);
     free(s->globs);
+    free(s->forms);
     free(s->glob_blob);
     free(s->groups);
     free(s->threads);
@@ -2143,8 +2291,10 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     s->report_fd = report_fd;
     s->stop_fd = -1;
     s->proc_fd = -1;
+    s->pin_pidfd = -1;
     pthread_mutex_init(&s->recv_lock, NULL);
     pthread_mutex_init(&s->lock, NULL);
+    pthread_mutex_init(&s->pin_lock, NULL);
     pthread_cond_init(&s->cond, NULL);
     pthread_cond_init(&s->crowd_cond, NULL);
     if (nworkers < 1 || nworkers > 64 || globs_len == 0 || globs[globs_len - 1] != '\0') {
@@ -2158,11 +2308,13 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     for (size_t i = 0; i < globs_len; i++)
         s->nglobs += globs[i] == '\0';
     s->globs = calloc((size_t)s->nglobs, sizeof(char *));
-    if (!s->globs)
+    s->forms = calloc((size_t)s->nglobs, sizeof(struct glob_form));
+    if (!s->globs || !s->forms)
         goto oom;
     char *g = s->glob_blob;
     for (int i = 0; i < s->nglobs; i++) {
         s->globs[i] = g;
+        s->forms[i] = glob_form_of(g);
         g += strlen(g) + 1;
     }
     s->uid = geteuid();
@@ -2261,6 +2413,7 @@ void ccs_stop(struct ccs *s) {
             pthread_cond_timedwait(&s->cond, &s->lock, &deadline);
     }
     pthread_mutex_unlock(&s->lock);
+    pin_release(s, 0); /* a task still held (it may outlive a stopped supervisor) */
     close(s->listener);
     close(s->report_fd);
     destroy(s);
