@@ -141,6 +141,41 @@ def test_unix_socket_bind_is_checked_and_emulated(tmp_path: pathlib.Path) -> Non
     assert not (tmp_path / "s.pem").exists()
 
 
+GLOB_FORMS = (".env", "*.pem", "id_*", "[ab].key", "*.Cert", "caf\u00e9*")
+GLOB_NAMES = {
+    # name: whether GLOB_FORMS refuse it. A literal and a "*suffix" glob are compared without
+    # fnmatch for an ASCII name; every other glob, and a name with a byte beyond ASCII, use it.
+    ".env": True, ".ENV": True, "x.env": False, ".envrc": False, "env": False,
+    "x.pem": True, "X.PeM": True, ".pem": True, "pem": False, "x.pem.txt": False,
+    "\u00e9t\u00e9.pem": True, "\u00e9t\u00e9.PEM": True, "\u00e9t\u00e9.pen": False,
+    "id_rsa": True, "ID_RSA": True, "xid_rsa": False,
+    "a.key": True, "B.KEY": True, "c.key": False,
+    "site.cert": True, "SITE.CERT": True, "site.certs": False,
+    "caf\u00e9-menu": True, "cafe-menu": False,
+}  # fmt: skip
+
+
+def test_each_form_of_glob_matches_as_fnmatch_casefold(tmp_path: pathlib.Path) -> None:
+    code = textwrap.dedent(
+        f"""
+        import os
+        for name in {sorted(GLOB_NAMES)!r}:
+            try:
+                os.close(os.open(name, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                print("made", name.encode().hex())
+            except PermissionError:
+                print("refused", name.encode().hex())
+        """
+    )
+    result = py(code, str(tmp_path), globs=GLOB_FORMS)
+    assert result.returncode == 0, result
+    got = {bytes.fromhex(h).decode(): verdict == "refused" for verdict, h in
+           (line.split() for line in result.stdout.splitlines())}  # fmt: skip
+    assert got == GLOB_NAMES, result
+    assert sorted(r.name for r in result.refused) == sorted(n for n, r in GLOB_NAMES.items() if r)
+    assert {p.name for p in tmp_path.iterdir()} == {n for n, r in GLOB_NAMES.items() if not r}
+
+
 def test_ordinary_work_still_works(tmp_path: pathlib.Path) -> None:
     (tmp_path / "existing.pem").write_text("old\n")
     script = """
