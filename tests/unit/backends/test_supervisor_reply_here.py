@@ -106,8 +106,10 @@ PIN_INHERIT_CHECK = textwrap.dedent(
                              capture_output=True, text=True, check=True).stdout
         return out.split()[1]
 
-    def after_a_pause():
-        time.sleep(0.05)
+    def after_a_pause():  # the hold ends 1 ms after the last call; a loaded machine may be slow
+        deadline = time.monotonic() + 2
+        while allowed() != want and time.monotonic() < deadline:
+            time.sleep(0.01)
         return allowed()
 
     want = allowed()
