@@ -92,7 +92,7 @@ GUEST_LAUNCHER: Final = "/run/cc-create/launcher"  # where the sandbox sees the 
 SELFTEST_TIMEOUT_S: Final = 10.0  # one fork and one notification; milliseconds normally
 LISTENER_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's listener arriving
 # Worker threads per sandboxed command. The first takes every call while one task at a time
-# makes them: an open is answered with the task kept on that worker's CPU (reply_fd_here in
+# makes them: an open is answered with the task kept on that worker's CPU (hold_here in
 # native/supervisor.c), so the worker is back before the task's next call, and a second worker
 # polling too would only be woken with it for every call (tar x of 10,000 files on tmpfs, 2 vCPUs:
 # ~24 us added per create with the second on standby, ~38 with both polling). When calls of two
@@ -127,7 +127,7 @@ STATE_SYSCALLS: Final[tuple[str, ...]] = (
     "umask", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid",
     "setfsuid", "setfsgid", "setgroups", "execve", "execveat",
 )  # fmt: skip
-# Trapped so that a task the supervisor holds to one CPU for a run of opens (see reply_fd_here
+# Trapped so that a task the supervisor holds to one CPU for a run of opens (see hold_here
 # in native/supervisor.c) gets its own affinity back before anything can inherit or read it:
 # a new thread or process, or the task's affinity asked or set. Let run once that is done.
 PIN_SYSCALLS: Final[tuple[str, ...]] = (

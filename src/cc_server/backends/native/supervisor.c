@@ -26,7 +26,7 @@
  *      whose name matches no glob, takes a shortcut with the same result: one openat2 with
  *      RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH (open_beneath).
  *   3. emulate: openat (then hand the fd over with SECCOMP_IOCTL_NOTIF_ADDFD, on this CPU:
- *      reply_fd_here), renameat2, linkat, symlinkat, mknodat, mkdirat, bind (on the process's
+ *      hold_here), renameat2, linkat, symlinkat, mknodat, mkdirat, bind (on the process's
  *      own socket, fetched with pidfd_getfd). A refused name gets EACCES and one "refused"
  *      record on the report pipe.
  *
@@ -39,12 +39,12 @@
  * stays true: none creates a name, and each is let run (SECCOMP_USER_NOTIF_FLAG_CONTINUE) once
  * noted (see state_change). So are clone, clone3, fork, vfork and sched_{set,get}affinity, only
  * so that a task held to a CPU for a run of opens gets its affinity back first (see
- * reply_fd_here). Every call that can create a name is emulated, never continued.
+ * hold_here). Every call that can create a name is emulated, never continued.
  *
  * Threads: the first worker polls the listener and takes every call while they come from one
  * task at a time. The kernel wakes it on the trapping task's CPU when
  * SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP took, and an open is answered with the task kept on that
- * CPU (reply_fd_here), so a create costs no wake-up of another (idle, halted) vCPU. The other
+ * CPU (hold_here), so a create costs no wake-up of another (idle, halted) vCPU. The other
  * workers stand by: a poller more would be woken with the first for every call. When a call of
  * another task was already waiting as the first worker finished one, tasks are trapping on
  * several CPUs: for CROWD_MS every worker polls and takes one notification each (poll + RECV
@@ -135,7 +135,7 @@
 #define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
 #define PIN_IDLE_MS 1             /* a worker and a task held to one CPU for a run of opens
-                                     (reply_fd_here) get their own affinity back after this long
+                                     (hold_here) get their own affinity back after this long
                                      without a call */
 #define CROWD_MS 10               /* after calls of two tasks overlap: how long every worker polls
                                      and opens are answered without holding a task to a CPU */
@@ -195,14 +195,14 @@ struct ccs {
     } pending[MAX_PENDING];
     atomic_ullong cache_hits;
     atomic_ullong replies_here; /* opens answered with the task kept on the worker's CPU */
-    /* The task reply_fd_here holds to a CPU, if any (one at a time), under pin_lock. */
+    /* The task hold_here holds to a CPU, if any (one at a time), under pin_lock. */
     pthread_mutex_t pin_lock;
     atomic_int pin_tid; /* 0: none */
     int pin_pidfd;      /* the task's own pidfd (a dup), or -1 */
     int pin_cpu;
     cpu_set_t pin_saved; /* its affinity before */
     bool sync_wake; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP was accepted */
-    bool reply_here; /* answer opens on the worker's CPU (reply_fd_here) */
+    bool reply_here; /* answer opens on the worker's CPU (hold_here) */
 };
 
 struct helper {
@@ -252,7 +252,7 @@ struct resolved {
 static __thread mode_t thread_umask = (mode_t)-1;
 static __thread cpu_set_t worker_cpus; /* the worker's own affinity, read when it starts */
 static __thread bool worker_cpus_known;
-static __thread int worker_held_on = -1; /* the CPU reply_fd_here holds this worker to, or -1 */
+static __thread int worker_held_on = -1; /* the CPU hold_here holds this worker to, or -1 */
 
 static long long now_ns(void) {
     struct timespec t;
@@ -263,7 +263,7 @@ static long long now_ns(void) {
 /* Whether calls of several tasks have overlapped in the last CROWD_MS (see worker()). */
 static bool crowded(struct ccs *s) { return now_ns() < atomic_load(&s->crowded_until); }
 
-/* Give this worker its own affinity back (see reply_fd_here). */
+/* Give this worker its own affinity back (see hold_here). */
 static void worker_release_cpu(void) {
     if (worker_held_on >= 0) {
         sched_setaffinity(0, sizeof worker_cpus, &worker_cpus);
@@ -466,37 +466,33 @@ static void pin_restore_locked(struct ccs *s) {
     atomic_store(&s->pin_tid, 0);
 }
 
-/* Give the held task its affinity back: any held task (only = 0), or only `only`. */
-static void pin_release(struct ccs *s, pid_t only) {
-    pid_t tid = atomic_load(&s->pin_tid);
-    if (tid == 0 || (only && tid != only))
+/* Give the held task, if any, its affinity back. */
+static void pin_release(struct ccs *s) {
+    if (atomic_load(&s->pin_tid) == 0)
         return;
     pthread_mutex_lock(&s->pin_lock);
-    if (!only || atomic_load(&s->pin_tid) == only)
-        pin_restore_locked(s);
+    pin_restore_locked(s);
     pthread_mutex_unlock(&s->pin_lock);
 }
 
 /*
- * Hand `fd` to the task as its open's result, keeping the task on this CPU. The kernel wakes the
- * task for SECCOMP_IOCTL_NOTIF_ADDFD with an ordinary wake-up, never on the waker's CPU (the sync
- * wake-up flag covers only the notification and SECCOMP_IOCTL_NOTIF_SEND), so the scheduler puts
- * it on another CPU whenever one is idle; and an idle vCPU here halts, so that wake-up costs
- * ~20 us. So for a run of opens the task and this worker are allowed this CPU alone:
- *   1. pin this worker (it stays so for the run: see PIN_IDLE_MS), then the task, unless it
- *      already is (it stays so for the run too);
- *   2. SECCOMP_IOCTL_NOTIF_ADDFD with ADDFD_FLAG_SEND: the task wakes here, installs the fd and
- *      returns from its call. This worker is SCHED_BATCH, so its own wake-up (the ioctl's end)
- *      does not preempt the task: it runs when the task next sleeps, typically in its next
- *      trapped call. A create then costs two context switches, not four.
+ * Keep the task of an open on this CPU for the answer, which hands its fd over. The kernel wakes
+ * the task for SECCOMP_IOCTL_NOTIF_ADDFD with an ordinary wake-up, never on the waker's CPU (the
+ * sync wake-up flag covers only the notification and SECCOMP_IOCTL_NOTIF_SEND), so the scheduler
+ * puts it on another CPU whenever one is idle; and an idle vCPU here halts, so that wake-up costs
+ * ~20 us. So for a run of opens the task and this worker are allowed this CPU alone: this worker
+ * first (it stays so for the run: see PIN_IDLE_MS), then the task, unless it already is (it stays
+ * so for the run too). respond_fd then answers with ADDFD_FLAG_SEND: the task wakes here, installs
+ * the fd and returns from its call. The worker is SCHED_BATCH, so its own wake-up (the ioctl's
+ * end) does not preempt the task: it runs when the task next sleeps, typically in its next
+ * trapped call. A create then costs two context switches, not four.
  * The task runs its own code with the pin between its opens, and gets its affinity back
  * (pin_release) before anything can inherit or read it through a call: a clone, clone3, fork,
  * vfork, exec or sched_{set,get}affinity of it is trapped and first releases it; and when the
  * run ends: PIN_IDLE_MS without a call, a call of another task, or calls of tasks overlapping.
- * Only /proc/<pid>/status shows the pin meanwhile. Returns false when nothing was done: the
- * caller answers with ADDFD_FLAG_SEND alone. Our copy of `fd` is closed when true.
+ * Only /proc/<pid>/status shows the pin meanwhile. Returns whether the task is held here.
  */
-static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool cloexec) {
+static bool hold_here(struct ccs *s, pid_t tid, int pidfd) {
     if (!s->reply_here || !worker_cpus_known || crowded(s))
         return false; /* tasks on several CPUs: holding them to this one would crowd it */
     int cpu = sched_getcpu();
@@ -527,28 +523,13 @@ static bool reply_fd_here(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int 
         }
     }
     pthread_mutex_unlock(&s->pin_lock);
-    if (!held)
-        return false;
-    struct seccomp_notif_addfd addfd;
-    memset(&addfd, 0, sizeof addfd);
-    addfd.id = id;
-    addfd.flags = SECCOMP_ADDFD_FLAG_SEND;
-    addfd.srcfd = (uint32_t)fd;
-    addfd.newfd_flags = cloexec ? O_CLOEXEC : 0;
-    int r = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
-    int err = errno;
-    close(fd);
-    if (r >= 0)
-        atomic_fetch_add(&s->replies_here, 1);
-    else if (err != ENOENT && err != ESRCH) /* gone: nothing waits for the answer */
-        respond(s, id, 0, err);               /* e.g. EMFILE: the task's fd limit */
-    return true;
+    return held;
 }
 
-/* Hand `fd` to the task as the syscall's result; our copy is closed. */
+/* Hand `fd` to the task as the syscall's result (its thread `tid`, or 0 for no hold: see
+ * hold_here); our copy is closed. */
 static void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool cloexec) {
-    if (tid > 0 && reply_fd_here(s, id, tid, pidfd, fd, cloexec))
-        return;
+    bool held = tid > 0 && hold_here(s, tid, pidfd);
     struct seccomp_notif_addfd addfd;
     memset(&addfd, 0, sizeof addfd);
     addfd.id = id;
@@ -558,8 +539,10 @@ static void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd,
     int r = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
     int err = errno;
     close(fd);
-    if (r < 0 && err != ENOENT && err != ESRCH) /* e.g. EMFILE: the task's fd limit */
-        respond(s, id, 0, err);
+    if (r >= 0 && held)
+        atomic_fetch_add(&s->replies_here, 1);
+    else if (r < 0 && err != ENOENT && err != ESRCH) /* ENOENT, ESRCH: gone, nobody waits */
+        respond(s, id, 0, err);                        /* e.g. EMFILE: the task's fd limit */
 }
 
 static bool id_valid(struct ccs *s, uint64_t id) {
@@ -1937,7 +1920,7 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
 /* The calls that change a task's umask or fs credentials, or (an exec by a thread that does
  * not lead its group, which takes over the leader's id) what a thread id stands for: trapped so
  * the cache can follow. */
-/* Calls that could pass on or show a CPU pin (reply_fd_here): let run once it is released. */
+/* Calls that could pass on or show a CPU pin (hold_here): let run once it is released. */
 static bool is_pin_point(int nr) {
     switch (nr) {
     case SYS_clone:
@@ -2067,11 +2050,11 @@ static void handle(struct ccs *s, struct seccomp_notif *n) {
         respond(s, n->id, 0, ENOSYS);
         return;
     }
-    /* A held task keeps its pin only through a run of its own opens (see reply_fd_here). */
+    /* A held task keeps its pin only through a run of its own opens (see hold_here). */
     pid_t held = atomic_load(&s->pin_tid);
     if (held && (held != (pid_t)n->pid || is_pin_point(n->data.nr) ||
                  is_state_change(n->data.nr)))
-        pin_release(s, 0);
+        pin_release(s);
     if (is_pin_point(n->data.nr)) {
         respond_continue(s, n->id);
         return;
@@ -2145,7 +2128,7 @@ static void *worker(void *arg) {
     tid_cache_init();
     worker_cpus_known = sched_getaffinity(0, sizeof worker_cpus, &worker_cpus) == 0;
     /* SCHED_BATCH: a worker woken while a task runs on its CPU (the end of an ADDFD, see
-     * reply_fd_here) waits for the task to sleep instead of preempting it. Same CPU share. */
+     * hold_here) waits for the task to sleep instead of preempting it. Same CPU share. */
     struct sched_param batch = {0};
     sched_setscheduler(0, SCHED_BATCH, &batch);
     int index = atomic_fetch_add(&s->next_worker, 1);
@@ -2186,7 +2169,7 @@ static void *worker(void *arg) {
         }
         if (r == 0) {
             worker_release_cpu();
-            pin_release(s, 0);
+            pin_release(s);
             if (atomic_load(&s->nhelpers))
                 rescue_helpers(s, false);
             continue;
@@ -2222,7 +2205,7 @@ static void *worker(void *arg) {
                     pthread_mutex_unlock(&s->lock);
                 }
                 worker_release_cpu();
-                pin_release(s, 0);
+                pin_release(s);
             }
             last_tid = (pid_t)notif.pid;
             struct timespec t0, t1;
@@ -2275,7 +2258,7 @@ int ccs_abi_version(void) { return CCS_ABI_VERSION; }
  * bytes of NUL-terminated glob patterns. Records go to `report_fd` (taken over; should be
  * non-blocking: a full pipe drops the record and counts it). `flags` bit 0: ask the kernel to
  * wake the task on the supervisor's CPU (SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP, 6.6+; ignored when
- * unsupported); bit 1: answer opens with the task kept on the worker's CPU (reply_fd_here).
+ * unsupported); bit 1: answer opens with the task kept on the worker's CPU (hold_here).
  * Returns NULL with a message in `err` on failure (then both fds are closed).
  */
 struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int report_fd,
@@ -2413,7 +2396,7 @@ void ccs_stop(struct ccs *s) {
             pthread_cond_timedwait(&s->cond, &s->lock, &deadline);
     }
     pthread_mutex_unlock(&s->lock);
-    pin_release(s, 0); /* a task still held (it may outlive a stopped supervisor) */
+    pin_release(s); /* a task still held (it may outlive a stopped supervisor) */
     close(s->listener);
     close(s->report_fd);
     destroy(s);
