@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pathlib
 import textwrap
+import time
 
 import pytest
 from supervisor_kit import PYTHON, Launch, py, sh
@@ -137,6 +138,45 @@ def test_a_held_task_passes_on_no_pin_and_gets_its_affinity_back(tmp_path: pathl
     assert result.stdout.split() == ["thread=0", "fork=0", "spawn=0", "pause=0"], result
     assert result.faults == [] and result.refused == []
     assert stats.replies_here > 0, stats  # tasks were held
+
+
+HELD_UNTIL_STOP = textwrap.dedent(
+    """
+    import os, time
+    n = 0
+    while not os.path.exists("stop"):  # opens back to back: the hold lasts
+        os.close(os.open(f"f{n}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        n += 1
+    time.sleep(0.5)  # the hold ends
+    with open("/proc/self/status") as f:
+        print(next(l.split()[1] for l in f if l.startswith("Cpus_allowed_list:")))
+    """
+)
+
+
+def _allowed(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two CPUs to hold a task to one")
+def test_an_affinity_set_from_outside_during_a_hold_is_kept(tmp_path: pathlib.Path) -> None:
+    # The host moves the task while the supervisor holds it: ending the hold must not undo that.
+    (tmp_path / "check.py").write_text(HELD_UNTIL_STOP)
+    launch = Launch([PYTHON, "check.py"], str(tmp_path), workers=WORKERS)
+    try:
+        deadline = time.monotonic() + 10
+        while not _allowed(launch.proc.pid).isdigit():  # held: one CPU
+            assert time.monotonic() < deadline, "the task was never held"
+            time.sleep(0.001)
+        held = int(_allowed(launch.proc.pid))
+        elsewhere = next(c for c in sorted(os.sched_getaffinity(0)) if c != held)
+        os.sched_setaffinity(launch.proc.pid, {elsewhere})
+    finally:
+        (tmp_path / "stop").touch()
+    result = launch.finish()
+    assert result.returncode == 0 and result.faults == [], result
+    assert result.stdout.split() == [str(elsewhere)], result
 
 
 def test_without_reply_here_every_open_still_gets_its_fd(tmp_path: pathlib.Path) -> None:
