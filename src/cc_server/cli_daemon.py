@@ -29,6 +29,7 @@ from typing import Any, Final
 
 from cc_server.backends.fdpass import wait_readable
 from cc_server.cli_client import receive_message, send_message
+from cc_server.rundir import names_of_dead_owners
 
 __all__ = ["main"]
 
@@ -215,18 +216,9 @@ _TEMPORARY: Final = re.compile(r"^cli-[0-9a-f]+\.sock\.(?P<pid>\d+)\.tmp\Z")
 def _remove_stale_temporaries(directory: str) -> None:
     """A daemon killed between binding its temporary name and removing it left that name: remove
     the ones whose daemon is gone (only names of this form)."""
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(directory):
-            match = _TEMPORARY.match(name)
-            if match is None:
-                continue
-            try:
-                os.kill(int(match["pid"]), 0)
-            except ProcessLookupError:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(os.path.join(directory, name))
-            except PermissionError:
-                pass  # alive, someone else's
+    for name in names_of_dead_owners(directory, _TEMPORARY):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(directory, name))
 
 
 def _listen(path: str) -> socket.socket | None:

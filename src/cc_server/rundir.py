@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 from collections.abc import Mapping
 from typing import Final
 
 from cc_server.errors import EnforcementFailed
 
-__all__ = ["BASE_DIR_NAME", "egress_base_dir"]
+__all__ = ["BASE_DIR_NAME", "egress_base_dir", "names_of_dead_owners", "pid_alive"]
 
 BASE_DIR_NAME: Final = "cc-server"
 
@@ -48,3 +49,26 @@ def egress_base_dir(
             fix=f"remove {base} (someone else may have created it) and start again",
         )
     return base
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists (one this user may not signal counts as existing)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def names_of_dead_owners(directory: str, pattern: re.Pattern[str]) -> list[str]:
+    """The names in `directory` that `pattern` matches and whose `pid` group names a process that
+    is gone: what a killed server, daemon or build left behind. None when there is no directory."""
+    dead: list[str] = []
+    with contextlib.suppress(FileNotFoundError):
+        for name in os.listdir(directory):
+            match = pattern.match(name)
+            if match is not None and not pid_alive(int(match["pid"])):
+                dead.append(name)
+    return dead

@@ -36,6 +36,7 @@ from typing import Final
 
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import SandboxBindMount, SandboxSpec
+from cc_server.rundir import names_of_dead_owners
 
 __all__ = [
     "HELPER_NAME",
@@ -239,24 +240,9 @@ def _read_token(path: str) -> str:
 
 def remove_stale_grant_dirs(base: str) -> list[str]:
     """Remove per-launch credential directories of server processes that no longer exist."""
-    removed: list[str] = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(base):
-            match = _GRANT_DIR.match(name)
-            if match is None:
-                continue
-            pid = int(match["pid"])
-            if pid == os.getpid():
-                continue
-            try:
-                os.kill(pid, 0)
-                continue
-            except ProcessLookupError:
-                pass
-            except PermissionError:
-                continue
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-            removed.append(name)
+    removed = names_of_dead_owners(base, _GRANT_DIR)
+    for name in removed:
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     return removed
 
 

@@ -19,6 +19,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -38,7 +39,7 @@ from cc_server.microvm.vm import (
     confined_argv,
     qemu_argv,
 )
-from cc_server.rundir import egress_base_dir
+from cc_server.rundir import egress_base_dir, names_of_dead_owners
 
 __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 
@@ -181,17 +182,9 @@ class VmPool:
     def _remove_dead_builds(self) -> None:
         """Remove the half-built snapshots of servers that were killed while building one (a
         256 MiB RAM file each; `prune_cache` keeps every entry of the current image)."""
-        prefix = self.template_dir.name + ".build-"
-        for entry in self.cache_dir.glob(prefix + "*"):
-            pid = entry.name.removeprefix(prefix)
-            if not pid.isdigit() or int(pid) == os.getpid():
-                continue
-            try:
-                os.kill(int(pid), 0)
-            except ProcessLookupError:
-                shutil.rmtree(entry, ignore_errors=True)
-            except PermissionError:
-                continue
+        build = re.compile(re.escape(self.template_dir.name) + r"\.build-(?P<pid>\d+)\Z")
+        for name in names_of_dead_owners(str(self.cache_dir), build):
+            shutil.rmtree(self.cache_dir / name, ignore_errors=True)
 
     async def _build_template(self) -> None:
         self.empty_dir.mkdir(parents=True, exist_ok=True, mode=0o755)

@@ -3,7 +3,6 @@ and where VM directories live. `launch` turns a compiled policy into a MicroVMHa
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import shutil
@@ -20,6 +19,7 @@ from cc_server.microvm.mounts import plan_mounts
 from cc_server.microvm.pool import VmPool
 from cc_server.microvm.probe import MicroVMProbe, ProbeParams, probe_microvm
 from cc_server.policy import CompiledPolicy, SandboxBackend
+from cc_server.rundir import names_of_dead_owners
 from cc_server.runtime.egress import SessionEgress, egress_base_dir, kill_stale_sandboxes
 
 __all__ = ["MicroVMRuntime", "probe_runtime", "remove_stale_vm_dirs"]
@@ -83,19 +83,7 @@ class MicroVMRuntime:
 def remove_stale_vm_dirs(base: str) -> list[str]:
     """Kill the QEMUs of killed servers (their argv names their VM directory) and remove those
     directories; return the names removed."""
-    stale: list[str] = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(base):
-            match = _VM_DIR.match(name)
-            if match is None:
-                continue
-            try:
-                os.kill(int(match["pid"]), 0)
-                continue
-            except ProcessLookupError:
-                stale.append(name)
-            except PermissionError:
-                continue
+    stale = names_of_dead_owners(base, _VM_DIR)
     kill_stale_sandboxes(base, stale)
     for name in stale:
         shutil.rmtree(os.path.join(base, name), ignore_errors=True)

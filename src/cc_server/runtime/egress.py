@@ -30,7 +30,7 @@ from cc_server.egress.driver import (
 )
 from cc_server.egress.patterns import Allowlist
 from cc_server.errors import EnforcementFailed
-from cc_server.rundir import egress_base_dir
+from cc_server.rundir import egress_base_dir, names_of_dead_owners
 from cc_server.runtime.events import SandboxViolation
 
 __all__ = [
@@ -59,14 +59,9 @@ def remove_stale_session_dirs(base: str) -> list[str]:
 
     Only names this module creates are touched.
     """
-    removed: list[str] = []
-    with contextlib.suppress(FileNotFoundError):
-        for name in os.listdir(base):
-            match = _SESSION_DIR.match(name)
-            if match is None or _alive(int(match["pid"])):
-                continue
-            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
-            removed.append(name)
+    removed = names_of_dead_owners(base, _SESSION_DIR)
+    for name in removed:
+        shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     return removed
 
 
@@ -103,16 +98,6 @@ def kill_stale_sandboxes(base: str, names: Iterable[str], proc_root: str = "/pro
 def _host_port(host: str, port: int) -> str:
     """`host:port`, with an IPv6 address in brackets so the two stay apart."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class SessionEgress:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from cc_server.errors import EnforcementFailed
+from cc_server.rundir import names_of_dead_owners
 from cc_server.runtime.egress import egress_base_dir, remove_stale_session_dirs
 
 
@@ -61,3 +63,20 @@ def test_stale_session_dirs_of_dead_servers_are_removed(tmp_path: Path) -> None:
 
 def test_stale_cleanup_of_a_missing_base_is_a_no_op(tmp_path: Path) -> None:
     assert remove_stale_session_dirs(str(tmp_path / "absent")) == []
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_names_of_dead_owners_are_only_matching_names_of_gone_processes(tmp_path: Path) -> None:
+    dead, mine = _dead_pid(), os.getpid()
+    for name in (f"x-{dead}", f"x-{mine}", "x-1", f"y-{dead}", f"x-{dead}-more"):
+        (tmp_path / name).mkdir()
+    pattern = re.compile(r"^x-(?P<pid>\d+)\Z")
+    assert names_of_dead_owners(str(tmp_path), pattern) == [f"x-{dead}"]
+    assert names_of_dead_owners(str(tmp_path / "missing"), pattern) == []
