@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from plan_kit import BWRAP, FAKE_BPF, TOOLS, fake_host, work_policy
 
 from cc_server.backends import bubblewrap as bwrap_mod
 from cc_server.backends.bubblewrap import DEFAULT_PATH, CreateRuleTools, plan_bubblewrap
@@ -16,16 +17,8 @@ from cc_server.policy import (
     STANDARD_DENY_CREATE_GLOBS,
     CompiledPolicy,
     HostFacts,
-    Platform,
-    compile_policy,
-    parse_spec,
 )
 
-BWRAP = "/usr/bin/bwrap"
-TOOLS = CreateRuleTools(
-    launcher="/opt/cc/cc-create-launcher", library="/opt/cc/libcc-create-supervisor.so"
-)
-FAKE_BPF = b"\x06\x00\x00\x00\x00\x00\xff\x7f"
 BRIDGE = EgressBridge(socket_dir="/run/user/1/cc-server/egress-1-0123456789abcdef")
 COMMAND = Command(
     argv=("make", "test"),
@@ -34,23 +27,6 @@ COMMAND = Command(
     egress=BRIDGE,
     in_session_sandbox=True,
 )
-
-
-def _host(existing: tuple[str, ...] = ()) -> HostFacts:
-    return HostFacts(
-        platform=Platform.LINUX,
-        home="/home/dev",
-        realpath=lambda p: p,
-        exists=lambda p: p in ("/usr", "/etc", "/home/dev", "/work", *existing),
-        is_dir=lambda p: True,
-    )
-
-
-def _policy(globs: tuple[str, ...] = ()) -> CompiledPolicy:
-    spec = parse_spec(
-        {"sessionId": "s", "workspaceId": "w", "bindMounts": [{"hostPath": "/work"}]}
-    )
-    return compile_policy(spec, _host(), deny_create_globs=globs)
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +44,7 @@ def _plan(
     **kw: bool,
 ) -> LaunchPlan:
     return plan_bubblewrap(
-        policy or _policy(), command, host=host or _host(), bwrap=BWRAP,
+        policy or work_policy(), command, host=host or fake_host(), bwrap=BWRAP,
         socat="/usr/bin/socat", create_rules=tools, **kw,
     )  # fmt: skip
 
@@ -114,7 +90,7 @@ def test_two_commands_share_a_sandbox_only_while_the_host_facts_are_the_same() -
     first, second = _plan(), _plan(other)
     assert (first.argv, first.env) == (second.argv, second.env)
     # A `.git/hooks` that now exists in the writable root is a new read-only mount: a new plan.
-    changed = _plan(other, host=_host(existing=("/work/.git/hooks",)))
+    changed = _plan(other, host=fake_host(existing=("/work/.git/hooks",)))
     hooks = changed.argv.index("/work/.git/hooks")
     assert changed.argv[hooks - 1 : hooks + 2] == ("--ro-bind", "/work/.git/hooks") * 1 + (
         "/work/.git/hooks",
@@ -150,7 +126,7 @@ def test_the_seccomp_filter_is_part_of_what_must_be_equal(monkeypatch: pytest.Mo
 
 
 def test_with_create_time_globs_the_launcher_installs_their_filter_before_it_serves() -> None:
-    plan = _plan(policy=_policy(STANDARD_DENY_CREATE_GLOBS))
+    plan = _plan(policy=work_policy(STANDARD_DENY_CREATE_GLOBS))
     argv = plan.argv
     dash = argv.index("--")
     assert argv[dash + 1 :] == (

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from plan_kit import BWRAP, FAKE_BPF, FAKE_RULES_BPF, TOOLS, fake_host, work_policy
 
 from cc_server.backends import bubblewrap as bwrap_mod
 from cc_server.backends import supervisor as sup
@@ -33,37 +34,10 @@ from cc_server.backends.supervisor import (
 from cc_server.errors import BackendUnavailable, EnforcementFailed
 from cc_server.policy import (
     STANDARD_DENY_CREATE_GLOBS,
-    HostFacts,
-    Platform,
     SandboxBackend,
-    compile_policy,
-    parse_spec,
 )
 
-BWRAP = "/usr/bin/bwrap"
 SOCAT = "/usr/bin/socat"
-TOOLS = CreateRuleTools(
-    launcher="/opt/cc/cc-create-launcher", library="/opt/cc/libcc-create-supervisor.so"
-)
-FAKE_BPF = b"\x06\x00\x00\x00\x00\x00\xff\x7f"
-FAKE_RULES_BPF = b"\x06\x00\x00\x00\x00\x00\xc0\x7f"
-
-
-def _host() -> HostFacts:
-    return HostFacts(
-        platform=Platform.LINUX,
-        home="/home/dev",
-        realpath=lambda p: p,
-        exists=lambda p: p in ("/usr", "/etc", "/home/dev", "/work"),
-        is_dir=lambda p: True,
-    )
-
-
-def _policy(globs: tuple[str, ...] = STANDARD_DENY_CREATE_GLOBS) -> object:
-    spec = parse_spec(
-        {"sessionId": "s", "workspaceId": "w", "bindMounts": [{"hostPath": "/work"}]}
-    )
-    return compile_policy(spec, _host(), deny_create_globs=globs)
 
 
 @pytest.fixture(autouse=True)
@@ -72,11 +46,15 @@ def fixed_filters(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", lambda: FAKE_RULES_BPF)
 
 
-def _plan(command: Command, tools: CreateRuleTools | None = TOOLS, **kw: object) -> LaunchPlan:
+def _plan(
+    command: Command,
+    tools: CreateRuleTools | None = TOOLS,
+    globs: tuple[str, ...] = STANDARD_DENY_CREATE_GLOBS,
+) -> LaunchPlan:
     return plan_bubblewrap(
-        _policy(**kw),  # type: ignore[arg-type]
+        work_policy(globs),
         command,
-        host=_host(),
+        host=fake_host(),
         bwrap=BWRAP,
         socat=SOCAT,
         create_rules=tools,
