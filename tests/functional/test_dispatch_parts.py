@@ -19,7 +19,7 @@ from cc_server.dispatch.acp import (
     ExecutionTransport,
     permission_for,
 )
-from cc_server.dispatch.harness import BoundedOutput, shell_argv
+from cc_server.dispatch.harness import shell_argv
 from cc_server.errors import BadSpec
 from cc_server.policy import HostFacts, Mode, SandboxBackend, SandboxSpec
 from cc_server.runtime.port import SandboxManager
@@ -105,14 +105,6 @@ async def test_an_agent_asking_without_end_cannot_grow_what_a_run_records() -> N
     # The newest are kept.
     assert client.permissions[-1]["toolCallId"] == f"t{MAX_RECORDS + 4}"
     assert client.file_requests[-1]["path"] == f"f{MAX_RECORDS + 4}"
-
-
-def test_bounded_output_keeps_the_head_and_counts_the_rest() -> None:
-    out = BoundedOutput(5)
-    for chunk in (b"ab", b"cdef", b"gh"):
-        out.add(chunk)
-    assert (bytes(out.data), out.dropped, out.truncated) == (b"abcde", 3, True)
-    assert BoundedOutput(5).truncated is False
 
 
 def test_shell_argv_refuses_what_cannot_run() -> None:

@@ -4,8 +4,9 @@ A command is a shell string (run as `bash -c`) or an argv. It passes the chain f
 action (the mode's tool surface, then its command table), then runs through the run's handle,
 which the SandboxManager launched: native when the host has a backend, else `none`. Either way
 the environment is the run's sanitised one. Every command has a timeout, its output is bounded
-(the head is kept, the rest counted and dropped) and its exit code is returned. ACP `terminal/*`
-requests use the same tool (`start`), as `acp_terminal` actions.
+(the head is kept, the rest counted and dropped: `runtime.output`, as for the collected exec
+result) and its exit code is returned. ACP `terminal/*` requests use the same tool (`start`), as
+`acp_terminal` actions.
 """
 
 from __future__ import annotations
@@ -14,21 +15,21 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Final
 
 from cc_server.dispatch.guardrails import Action, ActionKind, GuardrailChain
 from cc_server.errors import BadSpec
 from cc_server.policy import Mode
-from cc_server.runtime.events import EventType, SandboxViolation
+from cc_server.runtime.events import SandboxViolation
 from cc_server.runtime.handle import Execution, SandboxHandle
+from cc_server.runtime.output import BoundedOutput, drain
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT_BYTES",
     "DEFAULT_TIMEOUT_S",
     "MAX_TIMEOUT_S",
     "BashResult",
-    "BoundedOutput",
     "HarnessBash",
     "Terminal",
     "run_bounded",
@@ -67,28 +68,6 @@ def _check_limits(timeout_s: float | None, max_output_bytes: int | None) -> tupl
     return timeout, limit
 
 
-@dataclass(slots=True)
-class BoundedOutput:
-    """The first `limit` bytes of a stream, and how many more were dropped."""
-
-    limit: int
-    data: bytearray = field(default_factory=bytearray)
-    dropped: int = 0
-
-    def add(self, chunk: bytes) -> None:
-        room = self.limit - len(self.data)
-        if room > 0:
-            self.data += chunk[:room]
-        self.dropped += max(0, len(chunk) - max(room, 0))
-
-    @property
-    def truncated(self) -> bool:
-        return self.dropped > 0
-
-    def text(self) -> str:
-        return bytes(self.data).decode("utf-8", errors="replace")
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BashResult:
     """What one harness command did."""
@@ -119,27 +98,6 @@ class BashResult:
         }
 
 
-async def _drain(
-    execution: Execution,
-    out: BoundedOutput,
-    err: BoundedOutput | None,
-    violations: list[SandboxViolation],
-) -> tuple[int, str | None]:
-    code, killed = -1, None
-    async for event in execution:
-        if event.type is EventType.STDOUT and event.data:
-            out.add(event.data)
-        elif event.type is EventType.STDERR and event.data:
-            (err or out).add(event.data)
-        elif event.type is EventType.VIOLATION and event.violation is not None:
-            violations.append(event.violation)
-        elif event.type is EventType.KILLED:
-            killed = event.reason
-        elif event.type is EventType.EXIT and event.exit_code is not None:
-            code = event.exit_code
-    return code, killed
-
-
 async def run_bounded(
     handle: SandboxHandle,
     argv: Sequence[str],
@@ -163,14 +121,14 @@ async def run_bounded(
     async with handle.exec(
         tuple(argv), env=dict(env), cwd=cwd, stdin=stdin, timeout_s=timeout
     ) as execution:
-        code, killed = await _drain(execution, out, err, violations)
+        drained = await drain(execution, out, err, violations)
     return BashResult(
-        exit_code=code,
+        exit_code=drained.exit_code,
         stdout=out.text(),
         stderr=err.text(),
         stdout_truncated=out.truncated,
         stderr_truncated=err.truncated,
-        killed=killed,
+        killed=drained.killed,
         violations=tuple(violations),
     )
 
@@ -191,9 +149,8 @@ class Terminal:
 
     async def _pump(self) -> None:
         try:
-            self.exit_code, self.killed = await _drain(
-                self.execution, self.output, None, self.violations
-            )
+            drained = await drain(self.execution, self.output, None, self.violations)
+            self.exit_code, self.killed = drained.exit_code, drained.killed
         finally:
             with contextlib.suppress(Exception):
                 await self.execution.__aexit__(None, None, None)

@@ -39,6 +39,7 @@ from cc_server.runtime.events import (
     SandboxViolation,
     check_transition,
 )
+from cc_server.runtime.output import DEFAULT_COLLECT_LIMIT_BYTES, BoundedOutput, drain
 from cc_server.runtime.session_sandbox import SessionProcess, SessionSandbox
 
 __all__ = ["EgressPort", "Execution", "SandboxHandle"]
@@ -568,29 +569,22 @@ class Execution:
         assert self.exit_code is not None
         return self.exit_code
 
-    async def collect(self) -> CollectedResult:
-        """Drain every event; return output, exit code and violations together."""
-        out, err = bytearray(), bytearray()
+    async def collect(
+        self, *, limit_bytes: int = DEFAULT_COLLECT_LIMIT_BYTES
+    ) -> CollectedResult:
+        """Drain every event; return output, exit code and violations together. Each stream
+        keeps its first `limit_bytes`; the rest is read, counted and dropped as it arrives."""
+        out, err = BoundedOutput(limit_bytes), BoundedOutput(limit_bytes)
         violations: list[SandboxViolation] = []
-        killed: str | None = None
-        code = -1
-        async for event in self:
-            if event.type is EventType.STDOUT and event.data:
-                out += event.data
-            elif event.type is EventType.STDERR and event.data:
-                err += event.data
-            elif event.type is EventType.VIOLATION and event.violation:
-                violations.append(event.violation)
-            elif event.type is EventType.KILLED:
-                killed = event.reason
-            elif event.type is EventType.EXIT and event.exit_code is not None:
-                code = event.exit_code
+        drained = await drain(self, out, err, violations)
         return CollectedResult(
-            exit_code=code,
-            stdout=bytes(out),
-            stderr=bytes(err),
+            exit_code=drained.exit_code,
+            stdout=out.head(),
+            stderr=err.head(),
+            stdout_dropped=out.dropped,
+            stderr_dropped=err.dropped,
             violations=tuple(violations),
-            killed=killed,
+            killed=drained.killed,
         )
 
 
@@ -599,18 +593,37 @@ class CollectedResult:
     """Everything one execution produced, for simple callers."""
 
     exit_code: int
-    stdout: bytes
-    stderr: bytes
+    stdout: bytes  # the head of stdout (see `collect`)
+    stderr: bytes  # the head of stderr
+    stdout_dropped: int  # stdout bytes read past the head and dropped
+    stderr_dropped: int  # stderr bytes read past the head and dropped
     violations: tuple[SandboxViolation, ...]
     killed: str | None
 
+    @property
+    def stdout_truncated(self) -> bool:
+        """Whether stdout was cut at the limit."""
+        return self.stdout_dropped > 0
 
-async def run_collect(handle: SandboxHandle, argv: list[str], **kwargs: Any) -> CollectedResult:
-    """Run `argv` in `handle` and collect its result.
+    @property
+    def stderr_truncated(self) -> bool:
+        """Whether stderr was cut at the limit."""
+        return self.stderr_dropped > 0
+
+
+async def run_collect(
+    handle: SandboxHandle,
+    argv: list[str],
+    *,
+    limit_bytes: int = DEFAULT_COLLECT_LIMIT_BYTES,
+    **kwargs: Any,
+) -> CollectedResult:
+    """Run `argv` in `handle` and collect its result (each stream's first `limit_bytes`; the
+    rest is counted in `stdout_dropped` / `stderr_dropped`). `kwargs` go to `handle.exec`.
 
     Raises:
         CcServerError: the command could not be planned or started (it did not run).
     """
     async with handle.exec(argv, **kwargs) as execution:
-        return await execution.collect()
+        return await execution.collect(limit_bytes=limit_bytes)
 
