@@ -27,6 +27,7 @@ from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
 from cc_server.policy.spec import check_absolute
 from cc_server.runtime.events import EventType, SandboxEvent
 from cc_server.runtime.handle import Execution, SandboxHandle
+from cc_server.server.exec_result import send_exec_result
 from cc_server.server.logs import log_event
 from cc_server.server.models import (
     CreateSandboxWire,
@@ -317,22 +318,14 @@ async def _running(state: ServerState, handle: SandboxHandle,
 
 @routes.post("/v1/sandboxes/{id}/exec")
 async def exec_collected(request: web.Request) -> web.StreamResponse:
-    """Run a command; answer with its collected result once it exits."""
+    """Run a command; answer with its collected result once it exits. Each stream keeps its
+    first `exec_output_limit_bytes`; the rest is read and dropped as it arrives, and counted."""
     state = _state(request)
     req: ExecRequest = _decode(await request.read(), ExecRequest)
     handle, execution = _prepare(state, request.match_info["id"], req, interactive=False)
     async with _running(state, handle, execution):
-        result = await execution.collect()
-    return web.json_response({
-        "exitCode": result.exit_code,
-        "stdout": result.stdout.decode("utf-8", errors="replace"),
-        "stderr": result.stderr.decode("utf-8", errors="replace"),
-        "stdoutBase64": base64.b64encode(result.stdout).decode(),
-        "stderrBase64": base64.b64encode(result.stderr).decode(),
-        "violations": [v.to_json() for v in result.violations],
-        "killed": result.killed is not None,
-        "killedReason": result.killed,
-    })
+        result = await execution.collect(limit_bytes=state.exec_output_limit_bytes)
+    return await send_exec_result(request, result)
 
 
 class _TextStreams:

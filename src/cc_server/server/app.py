@@ -153,7 +153,8 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
         default_backend=SandboxBackend.MICROVM if config.microvm == "default" else None,
     )
     terminals = TerminalSessionService(manager, server_private=(token_path, base))
-    state = ServerState(manager=manager, terminals=terminals, token_path=token_path)
+    state = ServerState(manager=manager, terminals=terminals, token_path=token_path,
+                        exec_output_limit_bytes=config.exec_output_limit_bytes)
     app = build_app(state, token)
     try:  # repos, worktrees and dispatch runs (server/dispatch_api.py)
         install_dispatch(app, manager, server_private=(token_path, base))

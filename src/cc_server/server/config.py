@@ -1,4 +1,5 @@
-"""Server settings: the `serve` options and `CC_SERVER_SANDBOX`, checked before anything starts.
+"""Server settings: the `serve` options and the `CC_SERVER_*` variables, checked before anything
+starts.
 
 Every check here fails with `ServerConfigError` (the CLI exits 2) and a message naming what is
 allowed; nothing is probed, bound or written before they pass.
@@ -13,15 +14,19 @@ from dataclasses import dataclass
 from typing import Final
 
 from cc_server.errors import CcServerError
+from cc_server.runtime.output import DEFAULT_COLLECT_LIMIT_BYTES
 
 __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_PORT",
+    "EXEC_OUTPUT_LIMIT_ENV",
+    "MAX_EXEC_OUTPUT_LIMIT_BYTES",
     "SANDBOX_ENV",
     "SANDBOX_VALUES",
     "ServerConfig",
     "ServerConfigError",
     "check_bind_address",
+    "exec_output_limit",
     "resolve_sandbox_flag",
 ]
 
@@ -33,6 +38,10 @@ SANDBOX_VALUES: Final = ("on", "off")
 # the backend of requests that name none (stepping down to native, with a log line).
 MICROVM_ENV: Final = "CC_SERVER_MICROVM"
 MICROVM_VALUES: Final = ("off", "on", "default")
+# Bytes of stdout, and of stderr, a collected `POST .../exec` result keeps (the rest is counted
+# and dropped as it arrives). Its JSON body is up to ~8x that (text with escapes, plus base64).
+EXEC_OUTPUT_LIMIT_ENV: Final = "CC_SERVER_EXEC_OUTPUT_LIMIT"
+MAX_EXEC_OUTPUT_LIMIT_BYTES: Final = 1024 * 1024 * 1024  # more would not fit one JSON body sanely
 
 
 class ServerConfigError(CcServerError):
@@ -51,6 +60,8 @@ class ServerConfig:
     tls_cert: str | None = None  # PEM certificate chain; with tls_key, serve HTTPS
     tls_key: str | None = None  # PEM private key of tls_cert
     microvm: str = "off"  # CC_SERVER_MICROVM: off, on or default (see MICROVM_VALUES)
+    # CC_SERVER_EXEC_OUTPUT_LIMIT: bytes per stream a collected exec result keeps
+    exec_output_limit_bytes: int = DEFAULT_COLLECT_LIMIT_BYTES
 
     @property
     def tls(self) -> bool:
@@ -74,8 +85,9 @@ class ServerConfig:
 
         Raises:
             ServerConfigError: a bad --sandbox or CC_SERVER_SANDBOX value, a port outside
-                0..65535, only one of the TLS files, a relative token file path, or a
-                non-loopback address without TLS.
+                0..65535, only one of the TLS files, a relative token file path, a
+                non-loopback address without TLS, or a bad CC_SERVER_MICROVM or
+                CC_SERVER_EXEC_OUTPUT_LIMIT value.
         """
         sandbox_on = resolve_sandbox_flag(sandbox_flag, environ)
         if not 0 <= port <= 65535:
@@ -92,6 +104,7 @@ class ServerConfig:
             )
         return cls(
             microvm=microvm,
+            exec_output_limit_bytes=exec_output_limit(environ),
             host=host,
             port=port,
             sandbox_on=sandbox_on,
@@ -100,6 +113,26 @@ class ServerConfig:
             tls_cert=tls_cert,
             tls_key=tls_key,
         )
+
+
+def exec_output_limit(environ: Mapping[str, str] = os.environ) -> int:
+    """`CC_SERVER_EXEC_OUTPUT_LIMIT` as bytes: a decimal integer in 0..1 GiB; unset or empty is
+    the default (16 MiB).
+
+    Raises:
+        ServerConfigError: anything else.
+    """
+    value = environ.get(EXEC_OUTPUT_LIMIT_ENV, "")
+    if not value:
+        return DEFAULT_COLLECT_LIMIT_BYTES
+    limit = int(value) if value.isdecimal() and value.isascii() else -1
+    if not 0 <= limit <= MAX_EXEC_OUTPUT_LIMIT_BYTES:
+        raise ServerConfigError(
+            f"{EXEC_OUTPUT_LIMIT_ENV} must be a number of bytes in "
+            f"0..{MAX_EXEC_OUTPUT_LIMIT_BYTES}, got {value!r}",
+            fix=f"leave it unset for {DEFAULT_COLLECT_LIMIT_BYTES} (16 MiB) per stream",
+        )
+    return limit
 
 
 def _parse_switch(value: str, source: str) -> bool:

@@ -73,13 +73,19 @@ class SandboxViolationView(_Body, frozen=True):
 
 
 class ExecResult(_Body, frozen=True):
-    """The collected result of POST /v1/sandboxes/{id}/exec."""
+    """The collected result of POST /v1/sandboxes/{id}/exec. Each stream keeps its first
+    CC_SERVER_EXEC_OUTPUT_LIMIT bytes (16 MiB by default); the rest is read, counted and
+    dropped."""
 
     exit_code: int  # the command's exit code; 128+N when killed by signal N
-    stdout: str  # UTF-8, undecodable bytes replaced
-    stderr: str  # UTF-8, undecodable bytes replaced
-    stdout_base64: str  # the exact bytes
-    stderr_base64: str  # the exact bytes
+    stdout: str  # the kept stdout as UTF-8, undecodable bytes replaced
+    stderr: str  # the kept stderr as UTF-8, undecodable bytes replaced
+    stdout_base64: str  # the kept stdout, exact bytes
+    stderr_base64: str  # the kept stderr, exact bytes
+    stdout_truncated: bool  # stdout went past the limit: what is kept is its head
+    stderr_truncated: bool  # stderr went past the limit: what is kept is its head
+    stdout_dropped_bytes: int  # stdout bytes past the limit, read and dropped
+    stderr_dropped_bytes: int  # stderr bytes past the limit, read and dropped
     violations: list[SandboxViolationView]  # refusals during this command
     killed: bool  # the host killed the command
     killed_reason: str | None  # timeout, manual, destroyed, disconnected or shutdown

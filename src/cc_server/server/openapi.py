@@ -111,6 +111,13 @@ def _paths() -> dict[str, Any]:
             "parameters": [_ID_PARAM],
             "post": {
                 "summary": "Run a command and return its collected result",
+                "description": (
+                    "Each stream keeps its first CC_SERVER_EXEC_OUTPUT_LIMIT bytes (16 MiB by "
+                    "default); the rest is read and dropped as it arrives, and counted in "
+                    "stdoutDroppedBytes / stderrDroppedBytes (stdoutTruncated / stderrTruncated "
+                    "say whether any was). A large body is sent chunked. For all of a command's "
+                    "output, use the exec WebSocket."
+                ),
                 "requestBody": {"required": True, "content": {
                     "application/json": {"schema": _ref(ExecRequest)}}},
                 "responses": {"200": _json(ExecResult, "the command ran (any exit code)"),

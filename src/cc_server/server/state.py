@@ -9,6 +9,7 @@ from typing import Final
 from aiohttp import web
 
 from cc_server.runtime.handle import Execution
+from cc_server.runtime.output import DEFAULT_COLLECT_LIMIT_BYTES
 from cc_server.runtime.port import SandboxManager
 from cc_server.terminal import TerminalSessionService
 
@@ -23,6 +24,7 @@ class ServerState:
     terminals: TerminalSessionService
     token_path: str  # a native sandbox must never see it (see api.create_sandbox)
     running: dict[str, set[Execution]] = field(default_factory=dict)  # by sandbox id
+    exec_output_limit_bytes: int = DEFAULT_COLLECT_LIMIT_BYTES  # per stream, POST .../exec
     shutting_down: bool = False
 
     def track(self, session_id: str, execution: Execution) -> None:

@@ -1,4 +1,5 @@
-"""Server settings: --sandbox against CC_SERVER_SANDBOX, and what may be bound without TLS."""
+"""Server settings: --sandbox against CC_SERVER_SANDBOX, what may be bound without TLS, and the
+collected exec result's output limit."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from cc_server.server.config import (
     ServerConfig,
     ServerConfigError,
     check_bind_address,
+    exec_output_limit,
     resolve_sandbox_flag,
 )
 
@@ -64,3 +66,20 @@ def test_build_checks_everything() -> None:
     with pytest.raises(ServerConfigError, match="empty"):
         ServerConfig.build(environ={}, host="")
     assert ServerConfig.build(environ={}, host="0.0.0.0", tls_cert="/c", tls_key="/k").tls
+
+
+@pytest.mark.parametrize(
+    ("env", "limit"),
+    [({}, 16 * 1024 * 1024), ({"CC_SERVER_EXEC_OUTPUT_LIMIT": ""}, 16 * 1024 * 1024),
+     ({"CC_SERVER_EXEC_OUTPUT_LIMIT": "0"}, 0), ({"CC_SERVER_EXEC_OUTPUT_LIMIT": "4096"}, 4096),
+     ({"CC_SERVER_EXEC_OUTPUT_LIMIT": str(2**30)}, 2**30)],
+)
+def test_the_exec_output_limit_defaults_to_16_mib(env: dict[str, str], limit: int) -> None:
+    assert exec_output_limit(env) == limit
+    assert ServerConfig.build(environ=env).exec_output_limit_bytes == limit
+
+
+@pytest.mark.parametrize("value", ["-1", "16MiB", "1e6", " 5", "\u0661", str(2**30 + 1)])
+def test_a_bad_exec_output_limit_stops_the_start(value: str) -> None:
+    with pytest.raises(ServerConfigError, match="CC_SERVER_EXEC_OUTPUT_LIMIT must be a number"):
+        ServerConfig.build(environ={"CC_SERVER_EXEC_OUTPUT_LIMIT": value})
