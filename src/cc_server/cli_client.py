@@ -11,7 +11,8 @@ the command.
 
 The daemon is started on first use and exits after `IDLE_EXIT_S` without a client. Its socket
 lives in the user's private runtime directory (0700, checked), and it serves only its own user
-(SO_PEERCRED). One daemon serves one build of cc-server with one HOME and PATH: its socket name
+(SO_PEERCRED) in its own user and PID namespaces (SO_PEERPIDFD: a kernel without it gets no
+daemon). One daemon serves one build of cc-server with one HOME and PATH: its socket name
 carries a key of those (and of every source file's modification time), so a changed installation
 gets a fresh daemon. `CC_SERVER_DAEMON=off` runs everything in this process instead, as do
 `--events`, `--help` and every other verb. If the daemon cannot be started, `run` runs in this
@@ -44,6 +45,7 @@ KEYED_ENV: Final = ("HOME", "PATH", "XDG_RUNTIME_DIR", "TMPDIR")
 _HEADER: Final = struct.Struct("!I")
 MAX_MESSAGE_BYTES: Final = 1 << 20
 EXIT_REFUSED: Final = 125
+_SO_PEERPIDFD: Final = 77  # Linux 6.5+; the daemon identifies its peers with it (backends/peer.py)
 
 
 def _eligible(argv: Sequence[str]) -> bool:
@@ -55,6 +57,20 @@ def _eligible(argv: Sequence[str]) -> bool:
         if arg == "--":
             break
         if arg in ("-h", "--help") or arg.startswith("--events"):
+            return False
+    return _peers_identifiable()
+
+
+def _peers_identifiable() -> bool:
+    """Whether this kernel hands over a peer's pidfd: without it the daemon serves nobody."""
+    try:
+        a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    except OSError:
+        return False
+    with a, b:
+        try:
+            os.close(a.getsockopt(socket.SOL_SOCKET, _SO_PEERPIDFD))
+        except OSError:
             return False
     return True
 

@@ -2,12 +2,15 @@
 
     python -m cc_server.cli_daemon SOCKET_PATH
 
-It probes once, listens on SOCKET_PATH (in the private runtime directory; only its own user may
-connect, checked with SO_PEERCRED), and serves each client like `cc-server run` in the client's
-own process would: the same argument parser, the spec built in the client's working directory,
-the same environment passthrough (from the variables the client sent), one sandbox per request
-destroyed afterwards, the command's stdio being the client's own descriptors, violations and
-errors written to the client's stderr, the exit code sent back. A forwarded signal ends the
+It probes once, listens on SOCKET_PATH (in the private runtime directory), and serves only a
+peer of its own uid (SO_PEERCRED) in its own user and PID namespaces (backends/peer.py: a
+sandboxed process has the daemon's uid whenever the daemon is not root, never its namespaces; a
+refused peer is closed unread and logged to the daemon's stderr). It serves each client like
+`cc-server run` in the client's own process would: the same argument parser, the spec built in
+the client's working directory, the same environment passthrough (from the variables the
+client sent), one sandbox per request destroyed afterwards, the command's stdio being the
+client's own descriptors, violations and errors written to the client's stderr, the exit code
+sent back. A forwarded signal ends the
 command (SIGTERM first, then SIGKILL after a grace period); a client that goes away kills it.
 
 The socket is bound under a temporary name and hard-linked into place, so of two daemons started
@@ -27,6 +30,7 @@ import struct
 import sys
 from typing import Any, Final
 
+from cc_server.backends import peer
 from cc_server.backends.fdpass import wait_readable
 from cc_server.cli_client import receive_message, send_message
 from cc_server.rundir import names_of_dead_owners
@@ -48,6 +52,7 @@ class _Daemon:
         self.path = path
         self.listener = listener
         self.identity = os.stat(path).st_ino
+        self.peers = peer.SameNamespaces()
         self.manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
         self.active = 0
         self.stopping = False
@@ -85,6 +90,8 @@ class _Daemon:
             if uid != os.geteuid():
                 client.close()
                 continue
+            if not peer.admit(client, self.peers, what=f"CLI daemon {self.path}"):
+                continue  # another user or PID namespace: a sandbox, never served
             self.active += 1
             self.idle.clear()
             tg.create_task(self._client(client))
@@ -268,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1 or not os.path.isabs(args[0]):
         print("usage: python -m cc_server.cli_daemon SOCKET_PATH", file=sys.stderr)
         return 2
+    if not peer.supported():
+        # Without SO_PEERPIDFD a peer's namespaces cannot be read race-free: serve nobody (the
+        # client checks the same and runs in its own process).
+        print("cc-server daemon: this kernel cannot identify a peer (SO_PEERPIDFD)",
+              file=sys.stderr)
+        return 0
     listener = _listen(args[0])
     if listener is None:
         return 0

@@ -1,9 +1,17 @@
 """The user's private runtime directory for cc-server: session sockets, the server's token, the
-CLI daemon's socket. Stdlib only, so the `cc-server` command's first step can use it cheaply."""
+CLI daemon's socket. Stdlib only, so the `cc-server` command's first step can use it cheaply.
+
+A user can have several base directories at once (one server with `XDG_RUNTIME_DIR` set, a CLI
+daemon without it, another `TMPDIR`), and each can be visible under more than one path (a bind
+mount of `/tmp` elsewhere). Every base other than the canonical `/tmp/cc-server-<uid>` records
+itself in that one's `bases/` directory, so `base_dir_views` can find them all, and then every
+path where one is visible, by device and inode, for the sandboxes to hide.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import re
 import stat
@@ -12,9 +20,18 @@ from typing import Final
 
 from cc_server.errors import EnforcementFailed
 
-__all__ = ["BASE_DIR_NAME", "egress_base_dir", "names_of_dead_owners", "pid_alive"]
+__all__ = [
+    "BASE_DIR_NAME",
+    "base_dir_views",
+    "egress_base_dir",
+    "known_base_dirs",
+    "names_of_dead_owners",
+    "pid_alive",
+]
 
 BASE_DIR_NAME: Final = "cc-server"
+REGISTRY_NAME: Final = "bases"  # in the canonical base: one file per other base, naming it
+MAX_REGISTERED: Final = 256  # entries read from the registry; a user has a handful of bases
 
 
 def egress_base_dir(
@@ -48,7 +65,144 @@ def egress_base_dir(
             f"{base} is not a private directory owned by this user",
             fix=f"remove {base} (someone else may have created it) and start again",
         )
+    _register(base)
     return base
+
+
+def _canonical_base() -> str:
+    """The one base every process of this user can name without its environment."""
+    return f"/tmp/{BASE_DIR_NAME}-{os.geteuid()}"
+
+
+def _private_dir(path: str) -> os.stat_result | None:
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if (
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.geteuid()
+        and not stat.S_IMODE(info.st_mode) & 0o077
+    ):
+        return info
+    return None
+
+
+def _register(base: str) -> None:
+    """Record `base` in the canonical base's registry (best effort: a base that cannot be
+    recorded is still found when it is one of the usual spellings)."""
+    canonical = _canonical_base()
+    if os.path.realpath(base) == canonical:
+        return
+    registry = os.path.join(canonical, REGISTRY_NAME)
+    entry = os.path.join(registry, hashlib.sha256(os.fsencode(base)).hexdigest()[:16])
+    if os.path.lexists(entry):
+        return
+    with contextlib.suppress(OSError):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(canonical, 0o700)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(registry, 0o700)
+        if _private_dir(canonical) is None or _private_dir(registry) is None:
+            return
+        temporary = f"{entry}.{os.getpid()}.tmp"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(base)
+        os.replace(temporary, entry)
+
+
+def known_base_dirs(
+    own: str | None = None, environ: Mapping[str, str] = os.environ
+) -> list[str]:
+    """Every cc-server base directory of this user that exists now: `own`, the usual spellings
+    (`/tmp`, `/var/tmp`, `$TMPDIR`, `/run/user/<uid>`, `$XDG_RUNTIME_DIR`) and what the registry
+    names. Only private directories of this user with a base's name count, real paths."""
+    import tempfile  # lazy import: only the server and the daemon plan sandboxes
+
+    uid = os.geteuid()
+    names = (BASE_DIR_NAME, f"{BASE_DIR_NAME}-{uid}")
+    candidates = [own] if own else []
+    for tmp in ("/tmp", "/var/tmp", tempfile.gettempdir(), environ.get("TMPDIR", "")):
+        if tmp:
+            candidates.append(os.path.join(tmp, f"{BASE_DIR_NAME}-{uid}"))
+    for runtime in (f"/run/user/{uid}", environ.get("XDG_RUNTIME_DIR", "")):
+        if runtime:
+            candidates.append(os.path.join(runtime, BASE_DIR_NAME))
+    registry = os.path.join(_canonical_base(), REGISTRY_NAME)
+    if _private_dir(_canonical_base()) is not None and _private_dir(registry) is not None:
+        with contextlib.suppress(OSError):
+            for name in sorted(os.listdir(registry))[:MAX_REGISTERED]:
+                with (
+                    contextlib.suppress(OSError, UnicodeDecodeError),
+                    open(os.path.join(registry, name), encoding="utf-8") as f,
+                ):
+                    candidates.append(f.read(4096))
+    found: list[str] = []
+    for candidate in candidates:
+        if not os.path.isabs(candidate):
+            continue
+        real = os.path.realpath(candidate)
+        if real not in found and os.path.basename(real) in names and _private_dir(real):
+            found.append(real)
+    return found
+
+
+_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
+    """(device, root within the filesystem, mount point) of each line of a mountinfo file."""
+    out = []
+    with (
+        contextlib.suppress(OSError),
+        open(mountinfo, encoding="utf-8", errors="surrogateescape") as f,
+    ):
+        for line in f:
+            fields = line.split(" ")
+            if len(fields) > 4:
+                root, point = (_ESCAPE.sub(lambda m: chr(int(m[1], 8)), v) for v in fields[3:5])
+                out.append((fields[2], root, point))
+    return out
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def base_dir_views(
+    own: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+    mountinfo: str = "/proc/self/mountinfo",
+) -> tuple[str, ...]:
+    """Every host path at which one of `known_base_dirs` is visible: each base itself and every
+    alias through a mount (a bind mount of the base, or of a directory above it, elsewhere),
+    found from the mount table and confirmed by device and inode. Sorted, for stable plans."""
+    bases = known_base_dirs(own, environ)
+    identities = set()
+    for base in bases:
+        info = os.lstat(base)
+        identities.add((info.st_dev, info.st_ino))
+    mounts = _mounts(mountinfo)
+    views = set(bases)
+    for base in bases:
+        for device, root, point in mounts:
+            if not _inside(base, point):
+                continue
+            in_fs = os.path.normpath(os.path.join(root, os.path.relpath(base, point)))
+            for other_device, other_root, other_point in mounts:
+                if other_device != device or not _inside(in_fs, other_root):
+                    continue
+                view = os.path.normpath(
+                    os.path.join(other_point, os.path.relpath(in_fs, other_root))
+                )
+                if view in views:
+                    continue
+                with contextlib.suppress(OSError):
+                    info = os.lstat(view)
+                    if (info.st_dev, info.st_ino) in identities:
+                        views.add(view)
+    return tuple(sorted(views))
 
 
 def pid_alive(pid: int) -> bool:

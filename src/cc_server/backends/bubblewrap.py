@@ -14,6 +14,7 @@ from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_arg
 from cc_server.backends.plan import (
     Command,
     CreateRules,
+    EgressBridge,
     FdArg,
     InheritedFd,
     LaunchPlan,
@@ -247,6 +248,26 @@ def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
     return host.home
 
 
+def _hide_base_dirs(policy: CompiledPolicy, egress: EgressBridge) -> list[_Word]:
+    """An empty read-only tmpfs on each base directory view a bind (or a system path) would
+    show, so no sandbox reaches the token, the CLI daemon or another session's sockets. The
+    views come from the caller, found by device and inode (rundir.base_dir_views); a bind the
+    spec asks for inside a view (a run's credential directory) is bound again on top."""
+    views = {*egress.hidden_dirs, *((egress.base_dir,) if egress.base_dir else ())}
+    roots = [m.host_path for m in policy.mounts] + list(SYSTEM_RO_PATHS)
+    args: list[_Word] = []
+    for view in sorted(views):
+        if not any(_under(view, root) or _under(root, view) for root in roots):
+            continue
+        args += ["--tmpfs", view]
+        for mount in sorted(policy.mounts, key=lambda m: m.host_path.count("/")):
+            if mount.host_path != view and _under(mount.host_path, view):
+                flag = "--bind" if mount.writable else "--ro-bind"
+                args += [flag, mount.host_path, mount.host_path]
+        args += ["--remount-ro", view]
+    return args
+
+
 def _step_egress(
     policy: CompiledPolicy, command: Command, socat: str | None, launcher: bool
 ) -> tuple[list[_Word], tuple[str, ...]]:
@@ -255,14 +276,11 @@ def _step_egress(
     #    hands both listeners to the proxies: nothing else is bound in. Without it, the proxies'
     #    sockets are bound read-only and two socat listeners bridge to them, up before the
     #    command runs. No egress: no network at all.
+    #    Every view of every cc-server base directory (EgressBridge.hidden_dirs) is hidden
+    #    wherever a bind or a system path would expose it (_hide_base_dirs).
     if command.egress is None:
         return [], command.argv
-    bind: list[_Word] = []
-    base = command.egress.base_dir
-    if base is not None and any(
-        _under(base, m.host_path) or _under(m.host_path, base) for m in policy.mounts
-    ):
-        bind += ["--tmpfs", base, "--remount-ro", base]
+    bind: list[_Word] = _hide_base_dirs(policy, command.egress)
     if launcher:
         return bind, command.argv
     if socat is None or not posixpath.isabs(socat):

@@ -29,6 +29,10 @@ class EgressBridge:
     # The directory holding every session's socket directory (and the server's token): hidden
     # wherever a bind would expose it, so no sandbox reaches another session's proxies.
     base_dir: str | None = None
+    # Every host path at which a cc-server base directory of this user is visible (each base,
+    # whatever XDG_RUNTIME_DIR or TMPDIR chose it, and each alias of one, such as a bind mount),
+    # found by device and inode (rundir.base_dir_views): each is hidden like `base_dir`.
+    hidden_dirs: tuple[str, ...] = ()
     # The proxies' TCP ports on 127.0.0.1, when they listen there too: a macOS sandbox shares the
     # host loopback and reaches them directly (Linux goes through the sockets above).
     http_port: int | None = None

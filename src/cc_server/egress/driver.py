@@ -45,9 +45,10 @@ import os
 import socket
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
+from cc_server.backends.peer import PeerRule, ThisProcess, admit_async
 from cc_server.egress.addresses import IPAddress, forbidden_reason
 from cc_server.egress.http_machine import HttpProxyMachine
 from cc_server.egress.patterns import (
@@ -165,6 +166,11 @@ class ProxyParams:
     socket_dir: str | None = None
     """If set, also listen on Unix sockets `http.sock` and `socks.sock` in this directory, which
     must be ours and mode 0700; the sockets are created 0600 and removed by aclose()."""
+    unix_peers: PeerRule = field(default_factory=ThisProcess)
+    """Whom the Unix sockets serve (backends/peer.py): a native session's own sandboxes
+    (`SandboxPeers`); by default only this process (a microVM's link to its guest). Any other
+    peer is closed unread, with a log line. The TCP listeners and adopted ones are not asked:
+    a sandbox's loopback is reachable from its own network namespace only."""
     listen_tcp: bool = True
     """Listen on 127.0.0.1 TCP too. Any local user can reach a loopback port, so a session whose
     sandbox reaches the proxies through the Unix sockets (Linux) turns this off."""
@@ -356,7 +362,7 @@ class SessionProxies:
             self._active += 1
             try:
                 tg.create_task(
-                    self._serve(client, listener.protocol, self._served),
+                    self._serve(client, listener.protocol, self._served, listener.identity),
                     name=f"egress {self._params.session_id} {listener.protocol} #{self._served}",
                 )
             except BaseException:
@@ -364,9 +370,19 @@ class SessionProxies:
                 client.close()
                 raise
 
-    async def _serve(self, client: socket.socket, protocol: Protocol, number: int) -> None:
+    async def _serve(
+        self,
+        client: socket.socket,
+        protocol: Protocol,
+        number: int,
+        unix: tuple[int, int] | None = None,
+    ) -> None:
         label = f"egress {self._params.session_id} {protocol} #{number}"
         try:
+            if unix is not None and not await admit_async(
+                client, self._params.unix_peers, what=label
+            ):
+                return  # not this session's sandbox: closed unread
             await _Connection(self, client, protocol, label).run()
         except Exception:
             log.debug("%s: failed", label, exc_info=True)

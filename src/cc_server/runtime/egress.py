@@ -19,6 +19,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from cc_server.backends.peer import PeerRule, ThisProcess
 from cc_server.backends.plan import EgressBridge
 from cc_server.egress.driver import (
     AdoptedListener,
@@ -30,7 +31,7 @@ from cc_server.egress.driver import (
 )
 from cc_server.egress.patterns import Allowlist
 from cc_server.errors import EnforcementFailed
-from cc_server.rundir import egress_base_dir, names_of_dead_owners
+from cc_server.rundir import base_dir_views, egress_base_dir, names_of_dead_owners
 from cc_server.runtime.events import SandboxViolation
 
 __all__ = [
@@ -114,10 +115,12 @@ class SessionEgress:
         resolver: Resolver | None = None,
         tcp: bool = False,
         monitor: Monitor | None = None,
+        peers: PeerRule | None = None,
     ) -> None:
         """`tcp`: the proxies also listen on loopback TCP, for a sandbox that shares the host's
         loopback (macOS); `monitor`: the backend's violation monitor, started and stopped with
-        the proxies."""
+        the proxies; `peers`: whom the Unix sockets serve (a native session: its own sandboxes,
+        `SandboxPeers`; by default only this process, as a microVM's link)."""
         self.session_id = session_id
         self.allowlist = allowlist
         self._suggest = suggest
@@ -126,6 +129,7 @@ class SessionEgress:
         self._resolver = resolver
         self._tcp = tcp
         self._monitor = monitor
+        self._peers = peers if peers is not None else ThisProcess()
         self._dir: str | None = None
         self._proxies: SessionProxies | None = None
         self._closed = False
@@ -171,6 +175,7 @@ class SessionEgress:
                         # On Linux the sandbox comes in through the sockets only.
                         listen_tcp=self._tcp,
                         resolver=self._resolver,
+                        unix_peers=self._peers,
                     )
                 )
                 if self._monitor is not None:
@@ -185,6 +190,8 @@ class SessionEgress:
         return EgressBridge(
             socket_dir=self._dir,
             base_dir=self._base_dir,
+            # Every view of every base directory of this user, found now by device and inode.
+            hidden_dirs=base_dir_views(self._base_dir),
             http_port=self._proxies.http_port,
             socks_port=self._proxies.socks_port,
         )

@@ -20,6 +20,7 @@ from typing import Any, Final, Protocol
 
 from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import receive_fds
+from cc_server.backends.peer import SandboxPeers
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan, Planner
 from cc_server.backends.runner import start
 from cc_server.backends.supervisor import (
@@ -95,6 +96,9 @@ class SandboxHandle:
     details: dict[str, object] = field(default_factory=dict)
     violations: list[SandboxViolation] = field(default_factory=list)
     egress: EgressPort | None = field(default=None, repr=False)
+    # Every process this handle launched: the session's proxies and a run's credential broker
+    # serve a peer only from inside one of their sandboxes (backends/peer.py).
+    sandbox_peers: SandboxPeers = field(default_factory=SandboxPeers, repr=False)
     _running: set[Execution] = field(default_factory=set, repr=False)
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1), repr=False)
     # The session sandbox new commands go to, and older ones still running commands.
@@ -177,7 +181,9 @@ class SandboxHandle:
                 self._retired.add(current)
                 await self._close_idle(current)
             assert self.egress is not None  # a session sandbox is planned only with egress
-            sandbox = await SessionSandbox.start(plan, self.egress, self._create_report)
+            with self.sandbox_peers.launching():
+                sandbox = await SessionSandbox.start(plan, self.egress, self._create_report)
+                self.sandbox_peers.add(sandbox.pid)
             if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):  # destroyed meanwhile
                 await sandbox.aclose()
                 raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
@@ -240,6 +246,7 @@ class SandboxHandle:
                 for sandbox in sandboxes:
                     await sandbox.aclose()
             finally:
+                self.sandbox_peers.close()
                 if self.egress is not None:
                     await self.egress.aclose()
                 self.transition(SandboxState.DESTROYED)
@@ -334,13 +341,16 @@ class Execution:
                 pairs[slot.name] = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
-                self._proc, self._transport = await start(
-                    plan,
-                    stdin=stdin_mode,
-                    stdout=self._stdio[1] if self._inherit else pipe,
-                    stderr=self._stdio[2] if self._inherit else pipe,
-                    fds={name: theirs.fileno() for name, (_, theirs) in pairs.items()},
-                )
+                with self.handle.sandbox_peers.launching():
+                    self._proc, self._transport = await start(
+                        plan,
+                        stdin=stdin_mode,
+                        stdout=self._stdio[1] if self._inherit else pipe,
+                        stderr=self._stdio[2] if self._inherit else pipe,
+                        fds={name: theirs.fileno() for name, (_, theirs) in pairs.items()},
+                    )
+                    if self._proc.returncode is None:  # not reaped: the pid is still its own
+                        self.handle.sandbox_peers.add(self._proc.pid)
             finally:
                 for _, theirs in pairs.values():
                     theirs.close()

@@ -89,6 +89,7 @@ def _launch(
             base_dir=egress_base,
             resolver=egress_resolver,
             tcp=seatbelt,
+            peers=handle.sandbox_peers,  # the Unix sockets serve this session's sandboxes only
             monitor=SeatbeltMonitor(
                 session_id=spec.session_id, suggest=suggest, on_violation=handle.record_violation
             )
