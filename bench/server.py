@@ -14,13 +14,21 @@ Afterwards every sandbox is destroyed and the client disconnected, and the serve
 descriptors and child processes must be back at their idle count (measured after one warm-up
 create/exec/destroy cycle); the bench exits 1 if they are not.
 
+Before the load, `/healthz` is timed while one `POST .../exec` sends --big-exec-bytes (1 GiB) of
+stdout: a thread of this process asks `/healthz` every 10 ms over its own connection, idle and
+then during the exec, and the p50/p99/max of each are printed with the server's peak RSS (VmHWM)
+and the result's truncation fields. The result is kept bounded (16 MiB a stream) and encoded off
+the server's event loop, so other clients should not wait for it.
+
 Usage: .venv/bin/python bench/server.py [--sandboxes 50] [--commands 20] [--via ws|post]
+                                        [--big-exec-bytes N] [--big-exec-only]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
 import json
 import os
 import shutil
@@ -29,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Awaitable, Callable
 
@@ -36,6 +45,9 @@ import aiohttp
 
 BOOT_TIMEOUT_S = 30.0
 SETTLE_S = 10.0  # how long fds and children may take to return to idle after the load
+HEALTHZ_EVERY_S = 0.01  # between two /healthz probes of the latency thread
+IDLE_PROBES = 200  # /healthz probes before the big exec starts
+BIG_EXEC_TIMEOUT_S = 600.0  # hang guard for the big exec
 
 
 def start_server(work: str, runtime: str) -> tuple[subprocess.Popen[bytes], str, int, str]:
@@ -89,6 +101,15 @@ def cpu_s(pid: int) -> tuple[float, float]:
         fields = f.read().rsplit(b")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
     return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident set (VmHWM), MiB."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise ValueError(f"no VmHWM for {pid}")
 
 
 def percentile(samples: list[float], q: float) -> float:
@@ -194,6 +215,75 @@ async def bench_library(work: str, workers: int, per_worker: int) -> tuple[float
         await manager.aclose()
 
 
+def probe_healthz(port: int, stop: threading.Event, limit: int | None = None) -> list[float]:
+    """Seconds per `GET /healthz` over one keep-alive connection, every HEALTHZ_EVERY_S, until
+    `stop` is set (or `limit` probes). Runs in a thread: this process's event loop reading the
+    big result must not be what delays a probe."""
+    latencies: list[float] = []
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=BIG_EXEC_TIMEOUT_S)
+    try:
+        while not stop.is_set() and (limit is None or len(latencies) < limit):
+            start = time.perf_counter()
+            conn.request("GET", "/healthz")
+            response = conn.getresponse()
+            response.read()
+            latencies.append(time.perf_counter() - start)
+            assert response.status == 200, response.status
+            time.sleep(HEALTHZ_EVERY_S)
+    finally:
+        conn.close()
+    return latencies
+
+
+def latency_line(name: str, samples: list[float]) -> str:
+    return (f"{name:22} {len(samples):7d} {percentile(samples, 0.5) * 1000:8.2f} "
+            f"{percentile(samples, 0.99) * 1000:8.2f} {max(samples) * 1000:8.2f}")
+
+
+async def bench_healthz_during_big_exec(url: str, port: int, token: str, work: str,
+                                        exec_bytes: int, pid: int) -> None:
+    """Print /healthz latency idle and during one POST exec of `exec_bytes` of stdout."""
+    idle = await asyncio.to_thread(probe_healthz, port, threading.Event(), IDLE_PROBES)
+    headers = {"Authorization": f"Bearer {token}"}
+    timeout = aiohttp.ClientTimeout(total=BIG_EXEC_TIMEOUT_S)
+    async with aiohttp.ClientSession(url, headers=headers, timeout=timeout) as client:
+        async with client.post("/v1/sandboxes", json={"spec": {
+            "sessionId": "bench-big", "workspaceId": "bench",
+            "bindMounts": [{"hostPath": work}]}}) as response:
+            assert response.status == 201, await response.text()
+        stop = threading.Event()
+        prober = asyncio.create_task(asyncio.to_thread(probe_healthz, port, stop),
+                                     name="healthz prober")
+        start = time.perf_counter()
+        try:
+            # The body goes to a file a piece at a time: joining ~120 MiB here would hold this
+            # process's GIL, and the prober thread with it.
+            with tempfile.TemporaryFile(dir=work) as spool:
+                async with client.post("/v1/sandboxes/bench-big/exec", json={
+                    "argv": ["head", "-c", str(exec_bytes), "/dev/zero"]}) as response:
+                    assert response.status == 200, await response.text()
+                    async for chunk in response.content.iter_chunked(2**16):
+                        spool.write(chunk)
+                exec_s = time.perf_counter() - start
+                stop.set()
+                spool.seek(0)
+                body = spool.read()
+        finally:
+            stop.set()
+            during = await prober
+        async with client.delete("/v1/sandboxes/bench-big"):
+            pass
+    result = await asyncio.to_thread(json.loads, body)
+    print(f"/healthz while POST .../exec sends {exec_bytes} bytes of stdout "
+          f"(head -c {exec_bytes} /dev/zero); {os.cpu_count()} CPUs")
+    print(f"exec: {exec_s:.1f} s, body {len(body) / 2**20:.0f} MiB, stdoutTruncated "
+          f"{result['stdoutTruncated']}, stdoutDroppedBytes {result['stdoutDroppedBytes']}, "
+          f"kept {len(result['stdout'])} bytes; server peak RSS {peak_rss_mib(pid):.0f} MiB")
+    print(f"{'/healthz':22} {'probes':>7} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    print(latency_line("idle", idle))
+    print(latency_line("during the exec", during))
+
+
 def _own_cpu_s() -> float:
     """CPU seconds this process has used so far (user + system)."""
     times = os.times()
@@ -234,6 +324,12 @@ async def main_async(args: argparse.Namespace) -> int:
     url = f"http://127.0.0.1:{port}"
     try:
         await warm_up(url, token, work)
+        if args.big_exec_bytes:
+            await bench_healthz_during_big_exec(url, port, token, work, args.big_exec_bytes,
+                                                proc.pid)
+            if args.big_exec_only:
+                return 0
+            print()
         idle = await steady(proc.pid)
         n = args.sandboxes * args.commands
 
@@ -295,6 +391,10 @@ def main() -> int:
     parser.add_argument("--sandboxes", type=int, default=50)
     parser.add_argument("--commands", type=int, default=20, help="per sandbox")
     parser.add_argument("--via", choices=["ws", "post"], default="ws")
+    parser.add_argument("--big-exec-bytes", type=int, default=2**30,
+                        help="stdout of the exec /healthz is timed during (0: skip)")
+    parser.add_argument("--big-exec-only", action="store_true",
+                        help="only time /healthz during the big exec; no load")
     return asyncio.run(main_async(parser.parse_args()))
 
 
