@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import pytest
 from escape_kit import Sandboxes, wait_until
 
+from cc_server.backends.peer import SameNamespaces
 from cc_server.dispatch.credentials import (
     REQUEST_TIMEOUT_S,
     SOCKET_NAME,
@@ -80,6 +81,8 @@ def test_a_credential_is_usable_during_the_run_and_not_after_revoke(
 ) -> None:
     grant = broker.grant(_spec(**caps), "run-1")
     assert grant.directory is not None
+    assert token.encode() not in _fill(grant.env, tmp_path).stdout  # nobody, before admit()
+    broker.admit("run-1", SameNamespaces())  # this host's processes stand in for the run
     # The token is in no part of what the run is handed: not env, not argv, not a file.
     assert token not in repr(grant.env) and token not in repr(grant.bind_mounts)
     for entry in os.listdir(grant.directory):
@@ -106,6 +109,7 @@ def test_a_connection_kept_from_during_the_run_gets_nothing_after_revoke(
 ) -> None:
     grant = broker.grant(_spec(can_push=True), "run-1")
     assert grant.directory is not None
+    broker.admit("run-1", SameNamespaces())
     kept = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     kept.settimeout(GIT_TIMEOUT_S)
     kept.connect(os.path.join(grant.directory, SOCKET_NAME))
@@ -130,6 +134,7 @@ def test_a_client_dripping_its_request_cannot_hold_the_revoke(
 
     grant = broker.grant(_spec(can_push=True), "run-1")
     assert grant.directory is not None
+    broker.admit("run-1", SameNamespaces())
     stop = threading.Event()
     sent = [0]
 
@@ -165,6 +170,7 @@ def test_the_helper_answers_only_github_over_https(
     broker: CredentialBroker, token: str, tmp_path: pathlib.Path
 ) -> None:
     grant = broker.grant(_spec(can_push=True), "run-1")
+    broker.admit("run-1", SameNamespaces())
     helper = grant.env["GIT_CONFIG_VALUE_1"]
     for request in (
         b"protocol=http\nhost=github.com\n\n",
@@ -261,6 +267,8 @@ def test_run_ids_are_checked_and_grants_are_per_run(
     with pytest.raises(BadSpec, match="already holds"):
         broker.grant(_spec(can_push=True), "run-1")
     second = broker.grant(_spec(can_push=True), "run-2")
+    broker.admit("run-1", SameNamespaces())
+    broker.admit("run-2", SameNamespaces())
     assert first.directory != second.directory
     broker.revoke("run-1")
     # Revoking one run leaves the other's credential working.
@@ -303,6 +311,7 @@ async def test_inside_a_real_sandbox_the_credential_works_until_revoke(
         grant = broker.grant(parse_spec(data), "run-sandboxed")
         data["bindMounts"] = [*data["bindMounts"], *(m.to_json() for m in grant.bind_mounts)]
         handle = sb.manager.launch(parse_spec(data))
+        broker.admit("run-sandboxed", handle.sandbox_peers)
         env = sanitized_env(
             {"PATH": "/usr/bin:/bin", "HOME": str(wt)},
             add={**grant.env, "HELPER": grant.env["GIT_CONFIG_VALUE_1"]},
@@ -324,5 +333,40 @@ async def test_inside_a_real_sandbox_the_credential_works_until_revoke(
         # A new command of the torn-down run cannot even start: its grant's bind is gone.
         with pytest.raises(CcServerError):
             await run_collect(handle, ["/bin/true"], timeout_s=30)
+    finally:
+        broker.close()
+
+
+async def test_another_sandbox_and_the_host_get_nothing_from_a_runs_broker(
+    sb: Sandboxes, tmp_path: pathlib.Path, token: str
+) -> None:
+    """The grant's socket answers the run's own sandbox only: a sandbox of another session that
+    binds the same directory, and a process on the host, are closed unanswered."""
+    base = tmp_path / "run"
+    base.mkdir(mode=0o700)
+    token_file = tmp_path / "github-token"
+    token_file.write_text(token)
+    broker = CredentialBroker(base_dir=str(base), github_token_file=str(token_file))
+    wt = sb.worktree
+    (wt / "request").write_bytes(FILL_REQUEST)
+    try:
+        data = sb.spec(capabilities={"canPush": True}, guestWorkdir=str(wt))
+        grant = broker.grant(parse_spec(data), "run-own")
+        data["bindMounts"] = [*data["bindMounts"], *(m.to_json() for m in grant.bind_mounts)]
+        own = sb.manager.launch(parse_spec(data))
+        broker.admit("run-own", own.sandbox_peers)
+        foreign_data = sb.spec(capabilities={"canPush": True}, guestWorkdir=str(wt))
+        foreign_data["bindMounts"] = data["bindMounts"]
+        foreign = sb.manager.launch(parse_spec(foreign_data))
+        env = sanitized_env({"PATH": "/usr/bin:/bin", "HOME": str(wt)}, add=grant.env)
+        script = "git credential fill <request 2>&1; echo rc=$?"
+        theirs = await run_collect(foreign, ["/bin/sh", "-c", script], env=env, cwd=str(wt),
+                                   timeout_s=60)
+        assert theirs.exit_code == 0 and b"rc=" in theirs.stdout, theirs
+        assert token.encode() not in theirs.stdout + theirs.stderr, theirs
+        assert token.encode() not in _fill(grant.env, tmp_path).stdout  # the host
+        ours = await run_collect(own, ["/bin/sh", "-c", script], env=env, cwd=str(wt),
+                                 timeout_s=60)
+        assert f"password={token}".encode() in ours.stdout, ours  # control
     finally:
         broker.close()

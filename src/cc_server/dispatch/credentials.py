@@ -12,6 +12,10 @@ for https://github.com it runs the helper, the helper asks the socket, and the s
 with the operator's token, read from the operator's token file at that moment. The token is
 never in the run's environment, in its argv or in a file it can read.
 
+The socket answers only a peer inside the run's own sandbox: `admit(run_id, rule)` names it once
+the run is launched (the handle's `sandbox_peers`, see backends/peer.py); until then, and for any
+other process (another sandbox, a process on the host), the connection is closed unread.
+
 `revoke(run_id)` (idempotent) stops the listener, closes the socket and removes the directory:
 from then on the helper gets no answer and git has no password. What revocation cannot undo is a
 value the run already received and copied (the helper prints the token to git, which the run
@@ -34,6 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
+from cc_server.backends import peer
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import SandboxBindMount, SandboxSpec
 from cc_server.rundir import names_of_dead_owners
@@ -127,6 +132,7 @@ class _Listener:
         self.path = path
         self._answer = answer
         self._revoked = threading.Event()
+        self.peers: peer.PeerRule | None = None  # whom to answer; nobody until admit()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.bind(path)
@@ -163,6 +169,9 @@ class _Listener:
             _, uid, _ = struct.unpack("3i", creds)
             if uid != os.geteuid():
                 return  # only this user's processes (the directory is 0700 as well)
+        rule = self.peers
+        if rule is None or not peer.admit(conn, rule, what=f"credential broker {self.path}"):
+            return  # not the run's own sandbox: nothing is read, nothing answered
         # The whole request within REQUEST_TIMEOUT_S, and a revoke seen within REVOKE_POLL_S: a
         # client that stalls or drips cannot hold this thread, nor close() that joins it.
         deadline = time.monotonic() + REQUEST_TIMEOUT_S
@@ -338,6 +347,15 @@ class CredentialBroker:
             shutil.rmtree(directory, ignore_errors=True)
             raise BadSpec(f"run {run_id!r} already holds a grant", fix="revoke it first")
         return grant
+
+    def admit(self, run_id: str, rule: peer.PeerRule) -> None:
+        """Answer run `run_id`'s helper only for a peer `rule` admits: its sandbox's processes
+        (`SandboxHandle.sandbox_peers`). Before this, the socket answers nobody. A run without
+        a grant is a no-op."""
+        with self._lock:
+            entry = self._live.get(run_id)
+        if entry is not None:
+            entry[1].peers = rule
 
     def revoke(self, run_id: str) -> None:
         """End run `run_id`'s grant: the socket stops answering and the directory is removed.

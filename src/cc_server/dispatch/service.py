@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from cc_server.backends.peer import PeerRule
 from cc_server.dispatch.env import sanitized_env
 from cc_server.dispatch.guardrails import (
     Action,
@@ -90,6 +91,8 @@ class CredentialBrokerPort(Protocol):
     """What the service needs of the credential broker (`dispatch.credentials`)."""
 
     def grant(self, spec: SandboxSpec, run_id: str) -> Grant: ...
+
+    def admit(self, run_id: str, rule: PeerRule) -> None: ...
 
     def revoke(self, run_id: str) -> None: ...
 
@@ -306,6 +309,7 @@ class DispatchService:
             # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
             # so a server shutdown destroys it with the rest.
             handle = self.manager.launch(spec, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
+            self.broker.admit(run_id, handle.sandbox_peers)  # its sandbox asks, nothing else
             chain = standard_chain(handle.policy, extra=self.config.guardrails)
             if argv is not None:
                 chain.check(
