@@ -956,3 +956,38 @@ touch {base}/{planted}; echo touch=$?"""
     # Control: the other session's own sandbox still reaches its proxies.
     again = await lab.sh(other, f"{CURL} http://{ALLOWED}:{up.port}/")
     assert up.marker in output(again), output(again)
+
+
+async def test_another_sessions_proxy_socket_refuses_a_foreign_sandbox(lab: Lab) -> None:
+    """Even bound in on purpose (the spec binds the other session's socket directory), the
+    socket serves only its own session's sandboxes: the foreign sandbox's peer is closed unread."""
+    up = lab.upstream
+    other = lab.launch(egressAllowlist=[ALLOWED, "127.0.0.1"])
+    first = await lab.sh(other, f"{CURL} http://{ALLOWED}:{up.port}/")  # starts its proxies
+    assert up.marker in output(first), output(first)
+    proxies = getattr(other.egress, "proxies", None)
+    assert proxies is not None and proxies.http_socket
+    attacker = lab.launch(
+        bindMounts=[
+            {"hostPath": str(lab.sb.worktree)},
+            {"hostPath": os.path.dirname(proxies.http_socket), "readOnly": True},
+        ],
+        egressAllowlist=[ALLOWED, "127.0.0.1"],
+    )
+    script = f"""{PY} - <<'EOF2'
+import os, socket
+print("visible", os.path.exists({proxies.http_socket!r}))
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(10)
+try:
+    s.connect({proxies.http_socket!r})
+    s.sendall(b"CONNECT {ALLOWED}:{up.port} HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")
+    print("reply", s.recv(100))
+except OSError as exc:
+    print("refused", exc.errno)
+EOF2"""
+    text = output(await lab.sh(attacker, script))
+    assert "visible True" in text, text  # the bind itself is honoured
+    assert "HTTP/1.1 200" not in text and ("reply b''" in text or "refused" in text), text
+    again = await lab.sh(other, f"{CURL} http://{ALLOWED}:{up.port}/")  # control
+    assert up.marker in output(again), output(again)
