@@ -179,7 +179,29 @@ def build_spec(args: argparse.Namespace) -> SandboxSpec:
     if args.capability:
         data["capabilities"] = {**data.get("capabilities", {}),
                                 **{name: True for name in args.capability}}
-    return parse_spec(data)
+    spec = parse_spec(data)
+    _refuse_exposed_tokens(spec)
+    return spec
+
+
+def _refuse_exposed_tokens(spec: SandboxSpec) -> None:
+    """A sandbox that could read a live server's token could drive that server: refuse a bind
+    that would show one, as the server refuses it for its own sandboxes.
+
+    Raises:
+        BadSpec: a bind is or contains the token file a live server of this user recorded.
+    """
+    from cc_server.rundir import exposed_by, live_server_token_files
+
+    found = exposed_by([m.host_path for m in spec.bind_mounts], live_server_token_files())
+    if found is not None:
+        bind, token = found
+        raise BadSpec(
+            f"the bind {bind!r} would expose the bearer token file {token!r} of a running "
+            "cc-server",
+            fix="bind a directory that does not contain the token file, or start the server "
+            "with --token-file elsewhere",
+        )
 
 
 def command_argv(args: argparse.Namespace) -> list[str]:

@@ -24,9 +24,13 @@ __all__ = [
     "BASE_DIR_NAME",
     "base_dir_views",
     "egress_base_dir",
+    "exposed_by",
+    "forget_server_token",
     "known_base_dirs",
+    "live_server_token_files",
     "names_of_dead_owners",
     "pid_alive",
+    "record_server_token",
 ]
 
 BASE_DIR_NAME: Final = "cc-server"
@@ -226,3 +230,59 @@ def names_of_dead_owners(directory: str, pattern: re.Pattern[str]) -> list[str]:
             if match is not None and not pid_alive(int(match["pid"])):
                 dead.append(name)
     return dead
+
+
+_TOKEN_RECORD = re.compile(r"^server-(?P<pid>\d+)\.token\Z")
+
+
+def record_server_token(base: str, token_path: str) -> str:
+    """Record, in base directory `base`, where this live server keeps its token file (wherever
+    `--token-file` put it), so that `cc-server run` can refuse a bind that would expose it.
+    Returns the record's path, for `forget_server_token`."""
+    record = os.path.join(base, f"server-{os.getpid()}.token")
+    temporary = f"{record}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(os.path.realpath(token_path))
+    os.replace(temporary, record)
+    return record
+
+
+def forget_server_token(record: str) -> None:
+    """Remove a record `record_server_token` made. Idempotent."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(record)
+
+
+def live_server_token_files(environ: Mapping[str, str] = os.environ) -> list[str]:
+    """The token files of this user's live servers, as their records in every known base
+    directory name them (real paths). A record of a server that is gone is removed."""
+    tokens: list[str] = []
+    for base in known_base_dirs(None, environ):
+        for name in names_of_dead_owners(base, _TOKEN_RECORD):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(base, name))
+        with contextlib.suppress(OSError):
+            for name in os.listdir(base):
+                if _TOKEN_RECORD.match(name):
+                    with (
+                        contextlib.suppress(OSError, UnicodeDecodeError),
+                        open(os.path.join(base, name), encoding="utf-8") as f,
+                    ):
+                        path = f.read(4096)
+                        if os.path.isabs(path) and path not in tokens:
+                            tokens.append(path)
+    return tokens
+
+
+def exposed_by(bind_roots: list[str], private: list[str]) -> tuple[str, str] | None:
+    """The first (bind, private path) where bind `bind_roots[i]` would show `private` inside a
+    sandbox (the private path is the bind or lies under it; both compared as real paths), else
+    None. The server's own check of its token file and this CLI's share this rule."""
+    for root in bind_roots:
+        real_root = os.path.realpath(root)
+        for path in private:
+            real = os.path.realpath(path)
+            if _inside(real, real_root):
+                return root, path
+    return None

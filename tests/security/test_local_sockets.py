@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from server_kit import running_server
 
 from cc_server.cli_client import receive_message, send_message
 from cc_server.rundir import egress_base_dir
@@ -230,3 +231,27 @@ def test_a_sandbox_binding_an_alias_of_a_base_directory_runs_nothing_on_the_host
 def output_of(result: subprocess.CompletedProcess[bytes]) -> str:
     return (result.stdout + result.stderr).decode(errors="replace")
 
+
+
+def test_cc_server_run_refuses_a_bind_that_exposes_a_live_servers_token_file(
+    tmp_path: pathlib.Path, xdg: pathlib.Path
+) -> None:
+    """`--token-file` outside every base directory (the README's ~/.cc-server-token): the server
+    records where it is, and `cc-server run` refuses to bind it, with a fix (exit 2)."""
+    secrets_dir = tmp_path / "operator"
+    secrets_dir.mkdir()
+    elsewhere = tmp_path / "project"
+    elsewhere.mkdir()
+    token_file = secrets_dir / "cc-server-token"
+    with running_server(tmp_path, "--token-file", str(token_file)) as server:
+        assert server.token_path == str(token_file)
+        refused = _cc_server_run(str(secrets_dir), ["/bin/true"], xdg)
+        also = _cc_server_run(str(token_file), ["/bin/true"], xdg)
+        control = _cc_server_run(str(elsewhere), ["/bin/true"], xdg)
+    assert refused.returncode == 2, output_of(refused)
+    assert b"BadSpec" in refused.stderr and b"token" in refused.stderr, output_of(refused)
+    assert b"fix:" in refused.stderr or b"fix" in refused.stderr, output_of(refused)
+    assert also.returncode == 2, output_of(also)
+    assert control.returncode == 0, output_of(control)
+    after = _cc_server_run(str(secrets_dir), ["/bin/true"], xdg)  # the server is gone
+    assert after.returncode == 0, output_of(after)

@@ -25,6 +25,7 @@ from cc_server import __version__
 from cc_server.backends.probe import boot_probe, startup_line
 from cc_server.errors import CcServerError
 from cc_server.policy import HostFacts, SandboxBackend
+from cc_server.rundir import forget_server_token, record_server_token
 from cc_server.runtime.egress import (
     egress_base_dir,
     kill_stale_sandboxes,
@@ -138,6 +139,7 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
     token = generate_token()
     token_path = config.token_file or default_token_path()
     write_token_file(token_path, token)
+    token_record = record_server_token(base, token_path)  # `cc-server run` refuses to bind it
     log_event("token", f"bearer token written to {token_path}", path=token_path)
 
     microvm = None
@@ -160,6 +162,7 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
         install_dispatch(app, manager, server_private=(token_path, base))
     except BaseException:
         remove_token_file(token_path, token)
+        forget_server_token(token_record)
         raise
     runner = web.AppRunner(
         app,
@@ -201,6 +204,7 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
             await manager.aclose()
         await runner.cleanup()
         remove_token_file(token_path, token)
+        forget_server_token(token_record)
 
 
 def run_server(config: ServerConfig) -> int:
