@@ -1,6 +1,7 @@
 """A real server process under commands that write without end: the collected exec result keeps a
-bounded head per stream and says how much it dropped, and neither the collected nor the streamed
-exec lets the server's memory follow the command's output.
+bounded head per stream and says how much it dropped, and neither the collected exec, nor the
+exec or terminal WebSocket of a client that never reads, lets the server's memory follow the
+command's output.
 
 Memory is the server's peak RSS (`VmHWM` in /proc/<pid>/status), absolute, of a server started
 for the one test: that is the number the promise names (256 MiB), it includes the interpreter and
@@ -219,5 +220,25 @@ async def test_an_exec_ws_client_that_never_reads_holds_the_command_not_the_serv
                     await writer.wait_closed()
             # Closing the socket kills the command.
             assert await asyncio.to_thread(wait_until_gone, marker, PROMPT_S) == []
-    assert written < count, "the command wrote everything: nothing held it back"
+    assert 0 < written < count, f"the command wrote {written} bytes: it was not held back"
+    assert peak < PEAK_RSS_BYTES, f"server peak RSS {peak / MIB:.0f} MiB"
+
+
+async def test_a_terminal_ws_client_that_never_reads_holds_the_shell_not_the_servers_memory(
+    tmp_path: pathlib.Path, count: int
+) -> None:
+    marker = f"head\x00-c\x00{count}\x00"
+    with running_server(tmp_path) as server:
+        writer = await open_silent_ws(server, "/v1/terminals?backend=none",
+                                      {"input": f"exec head -c {count} /dev/zero\n"})
+        try:
+            written = await asyncio.to_thread(wait_until_held, marker)
+            peak = peak_rss_bytes(server.proc.pid)
+        finally:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        # Closing the socket ends the shell and what it runs.
+        assert await asyncio.to_thread(wait_until_gone, marker, PROMPT_S) == []
+    assert 0 < written < count, f"the shell wrote {written} bytes: it was not held back"
     assert peak < PEAK_RSS_BYTES, f"server peak RSS {peak / MIB:.0f} MiB"
