@@ -39,9 +39,10 @@ SANDBOX_VALUES: Final = ("on", "off")
 MICROVM_ENV: Final = "CC_SERVER_MICROVM"
 MICROVM_VALUES: Final = ("off", "on", "default")
 # Bytes of stdout, and of stderr, a collected `POST .../exec` result keeps (the rest is counted
-# and dropped as it arrives). Its JSON body is up to ~8x that (text with escapes, plus base64).
+# and dropped as it arrives). Its JSON body is up to 7.3x that (six-byte escapes, plus base64).
 EXEC_OUTPUT_LIMIT_ENV: Final = "CC_SERVER_EXEC_OUTPUT_LIMIT"
-MAX_EXEC_OUTPUT_LIMIT_BYTES: Final = 1024 * 1024 * 1024  # more would not fit one JSON body sanely
+# Both heads are held in memory until the body is sent; past this a caller wants the WebSocket.
+MAX_EXEC_OUTPUT_LIMIT_BYTES: Final = 1024 * 1024 * 1024
 
 
 class ServerConfigError(CcServerError):

@@ -1,7 +1,7 @@
 """The collected result of `POST /v1/sandboxes/{id}/exec` as its JSON body (`models.ExecResult`),
 encoded in pieces, so that a large one is neither encoded on the event loop nor held whole.
 
-A result keeps up to 16 MiB per stream by default (`runtime.output`), and its JSON is up to ~8x
+A result keeps up to 16 MiB per stream by default (`runtime.output`), and its JSON is up to 7.3x
 that: the text form escapes every control byte as six (`\\u0000`) and the base64 form adds a third.
 Encoded in one go, on the loop, that is hundreds of MiB of transient strings and a stall for
 every other client (`/healthz` included). Here the body is a sequence of pieces, each made from
