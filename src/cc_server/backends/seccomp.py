@@ -10,7 +10,12 @@ not already stop, or what would let a process leave them:
 - the mount family: even without capabilities, refuse at the syscall so a future capability leak
   cannot remount a mask;
 - kernel keyrings (not namespaced), bpf, perf_event_open, userfaultfd (exploit aids), TIOCSTI
-  and TIOCLINUX (typing into the host terminal).
+  and TIOCLINUX (typing into the host terminal);
+- a setuid or setgid bit on anything the command creates or changes the mode of (`chmod`
+  and its `f`/`at`/`at2` forms, and the mode of `open`, `openat`, `creat`, `mkdir(at)`,
+  `mknod(at)`): such a file in a writable bind would be a setuid program on the host, whoever
+  runs it there. `openat2` carries its mode in memory BPF cannot read, so it gets ENOSYS and
+  libc falls back to `openat`.
 
 Any syscall from a foreign ABI (i386 `int 0x80`, x32) kills the process: libseccomp's default for
 architectures not added to the filter.
@@ -23,7 +28,14 @@ import functools
 import os
 from typing import Any, Final
 
-__all__ = ["DENIED_SYSCALLS", "NAMESPACE_FLAGS", "export_bpf", "filter_bpf"]
+__all__ = [
+    "DENIED_SYSCALLS",
+    "MODE_ARGUMENT",
+    "NAMESPACE_FLAGS",
+    "SET_ID_BITS",
+    "export_bpf",
+    "filter_bpf",
+]
 
 CLONE_NEWNS: Final = 0x00020000
 CLONE_NEWCGROUP: Final = 0x02000000
@@ -42,6 +54,24 @@ NAMESPACE_FLAGS: Final = (
     CLONE_NEWPID,
     CLONE_NEWNET,
     CLONE_NEWTIME,
+)
+S_ISUID: Final = 0o4000
+S_ISGID: Final = 0o2000
+SET_ID_BITS: Final = (S_ISUID, S_ISGID)
+# Which argument of each call is the mode a new or changed inode gets (fchmodat2 is 452 on every
+# architecture; older libseccomp releases do not know its name).
+MODE_ARGUMENT: Final[tuple[tuple[str | int, int], ...]] = (
+    ("chmod", 1),
+    ("fchmod", 1),
+    ("fchmodat", 2),
+    (452, 2),  # fchmodat2
+    ("open", 2),
+    ("openat", 3),
+    ("creat", 1),
+    ("mkdir", 1),
+    ("mkdirat", 2),
+    ("mknod", 1),
+    ("mknodat", 2),
 )
 TIOCSTI: Final = 0x5412
 TIOCLINUX: Final = 0x541C
@@ -95,6 +125,10 @@ def filter_bpf() -> bytes:
         flt.add_rule(eperm, "unshare", sc.Arg(0, sc.MASKED_EQ, flag, flag))
         flt.add_rule(eperm, "clone", sc.Arg(0, sc.MASKED_EQ, flag, flag))
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "clone3")
+    for call, index in MODE_ARGUMENT:
+        for bit in SET_ID_BITS:
+            flt.add_rule(eperm, call, sc.Arg(index, sc.MASKED_EQ, bit, bit))
+    flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     for request in (TIOCSTI, TIOCLINUX):
         flt.add_rule(eperm, "ioctl", sc.Arg(1, sc.MASKED_EQ, 0xFFFFFFFF, request))
 

@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import stat
+
 import pyseccomp
 
-from cc_server.backends.seccomp import DENIED_SYSCALLS, NAMESPACE_FLAGS, filter_bpf
+from cc_server.backends.seccomp import (
+    DENIED_SYSCALLS,
+    MODE_ARGUMENT,
+    NAMESPACE_FLAGS,
+    SET_ID_BITS,
+    filter_bpf,
+)
 
 BPF_INSTRUCTION_BYTES = 8  # struct sock_filter: u16 code, u8 jt, u8 jf, u32 k
 
@@ -37,3 +45,17 @@ def test_denied_syscalls_unique_with_reasons() -> None:
 def test_namespace_flags_are_distinct_single_bits() -> None:
     assert len(set(NAMESPACE_FLAGS)) == len(NAMESPACE_FLAGS)
     assert all(flag > 0 and flag & (flag - 1) == 0 for flag in NAMESPACE_FLAGS)
+
+
+def test_mode_calls_resolve_on_the_native_arch() -> None:
+    arch = pyseccomp.system_arch()
+    numbers = {
+        call: call if isinstance(call, int) else pyseccomp.resolve_syscall(arch, call)
+        for call, _ in MODE_ARGUMENT
+    }
+    assert {call: n for call, n in numbers.items() if n < 0} == {}
+    assert len(set(numbers.values())) == len(MODE_ARGUMENT)
+
+
+def test_set_id_bits_are_the_kernel_s() -> None:
+    assert SET_ID_BITS == (stat.S_ISUID, stat.S_ISGID)
