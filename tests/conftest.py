@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Generator
+from typing import TYPE_CHECKING
 
 import pytest
 
 from cc_server.backends.probe import ProbeResult, probe
+
+if TYPE_CHECKING:
+    from other_user import OtherUser
 
 STRICT_MARKERS = ("security", "integration")
 
@@ -37,3 +41,13 @@ def probe_result() -> ProbeResult:
         f"these tests need bubblewrap and socat; probe said: {result.hint}"
     )
     return result
+
+
+@pytest.fixture(scope="session")
+def other_user() -> OtherUser:
+    """An unprivileged host user (made with useradd under root) that can run the checkout."""
+    from other_user import check_reachable, ensure_user
+
+    user = ensure_user()
+    check_reachable(user)
+    return user

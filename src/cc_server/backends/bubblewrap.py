@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_argv
+from cc_server.backends.identity import STAGE_DIR
 from cc_server.backends.plan import (
     Command,
     CreateRules,
@@ -18,6 +19,7 @@ from cc_server.backends.plan import (
     FdArg,
     InheritedFd,
     LaunchPlan,
+    SandboxIdentity,
     SessionCommand,
 )
 from cc_server.backends.seccomp import filter_bpf
@@ -51,6 +53,33 @@ SYSTEM_RO_PATHS: tuple[str, ...] = (
     "/lib32",
     "/lib64",
     "/libx32",
+)
+
+# procfs as a floor for every identity, after the OCI runtime's read-only and masked path lists
+# (plus /proc/pressure, whose files take triggers, and /proc/kmsg). The sandbox's own procfs
+# shows host-global kernel interfaces; a sandbox running as a uid that owns them (host root)
+# could otherwise change them. bubblewrap covers /proc/sys only when its directory is writable.
+# A read-only entry is bound from the host's procfs: every sysctl there answers for the
+# namespaces of the process that opens it, so the sandbox still sees its own network's values.
+PROC_READ_ONLY: tuple[str, ...] = (
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/irq",
+    "/proc/pressure",
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+)
+PROC_MASKED: tuple[str, ...] = (
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/kmsg",
+    "/proc/latency_stats",
+    "/proc/sched_debug",
+    "/proc/scsi",
+    "/proc/timer_list",
+    "/proc/timer_stats",
 )
 
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
@@ -96,12 +125,14 @@ def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) 
             raise BadSpec(f"bind mount path {mount.host_path!r} contains a control character")
 
 
-def _step_namespaces(*, new_session: bool, share_net: bool) -> list[str | FdArg]:
+def _step_namespaces(*, new_session: bool, share_net: bool, identity: bool) -> list[str | FdArg]:
     # 1. Namespaces and process hygiene: every namespace, no capabilities, no nested user
     #    namespaces, a new session (no TIOCSTI into the caller's terminal), die with the server.
     #    Only the terminal profile keeps the host network and the PTY session (plan_bubblewrap).
+    #    Under a sandbox identity (a root server) the command is still uid 0 inside.
     return [
         "--unshare-user",
+        *(("--uid", "0", "--gid", "0") if identity else ()),
         "--unshare-pid",
         *(() if share_net else ("--unshare-net",)),
         "--unshare-ipc",
@@ -118,7 +149,8 @@ def _step_namespaces(*, new_session: bool, share_net: bool) -> list[str | FdArg]
 
 
 def _step_system(host: HostFacts) -> list[str | FdArg]:
-    # 2. System runtime paths read-only, fresh /proc and /dev, private /tmp and /var/tmp.
+    # 2. System runtime paths read-only, fresh /proc (its host-global knobs read-only or masked)
+    #    and /dev, private /tmp and /var/tmp.
     args: list[str | FdArg] = []
     for path in SYSTEM_RO_PATHS:
         if not host.exists(path):
@@ -128,7 +160,18 @@ def _step_system(host: HostFacts) -> list[str | FdArg]:
             args += ["--symlink", posixpath.relpath(target, "/"), path]
         else:
             args += ["--ro-bind", path, path]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
+    args += ["--proc", "/proc"]
+    for path in PROC_READ_ONLY:
+        if host.exists(path):
+            args += ["--ro-bind", path, path]
+    for path in PROC_MASKED:
+        if not host.exists(path):
+            continue
+        if host.is_dir(path):
+            args += ["--tmpfs", path, "--remount-ro", path]
+        else:
+            args += ["--ro-bind", "/dev/null", path]
+    args += ["--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", "/var/tmp"]
     return args
 
 
@@ -336,6 +379,51 @@ def _step_launcher(
     return bind, (*wrapped, "--", *argv), rules, handoff
 
 
+_BIND_OPTIONS = frozenset({"--bind", "--ro-bind"})
+
+
+def _step_identity(
+    argv: list[_Word], identity: SandboxIdentity | None, roots: Sequence[str]
+) -> list[_Word]:
+    # 0. A root server's sandbox runs as its sandbox identity (backends/identity.py): the helper
+    #    stages each root below idmapped at STAGE_DIR/<n>, drops to the identity and runs bwrap,
+    #    whose binds then take their sources from there. Everything else bwrap reads (system
+    #    paths, /dev/null, /proc) is readable by any uid.
+    if identity is None:
+        return argv
+    if not posixpath.isabs(identity.helper):
+        raise EnforcementFailed(f"{identity.helper!r} is not absolute; it must come from the probe")
+    staged: list[str] = []
+    for root in roots:
+        if _under(root, STAGE_DIR) or _under(STAGE_DIR, root):
+            raise BadSpec(
+                f"bind mount {root!r} overlaps {STAGE_DIR}, where a root server stages its binds",
+                fix=f"bind a directory outside {STAGE_DIR}",
+            )
+        if root not in staged:
+            staged.append(root)
+    # Longest first, so a source below a nested bind comes from that bind's own stage.
+    by_depth = sorted(range(len(staged)), key=lambda i: -len(staged[i]))
+    out: list[_Word] = [
+        identity.helper, "--uid", str(identity.uid), "--gid", str(identity.gid),
+        "--stage", STAGE_DIR,
+    ]  # fmt: skip
+    for root in staged:
+        out += ["--map", root]
+    out.append("--")
+    words = iter(argv)
+    for word in words:
+        out.append(word)
+        if isinstance(word, str) and word in _BIND_OPTIONS:
+            source = next(words)
+            for i in by_depth:
+                if isinstance(source, str) and _under(source, staged[i]):
+                    source = f"{STAGE_DIR}/{i}{source[len(staged[i]):]}"
+                    break
+            out.append(source)
+    return out
+
+
 def plan_bubblewrap(
     policy: CompiledPolicy,
     command: Command,
@@ -346,6 +434,7 @@ def plan_bubblewrap(
     new_session: bool = True,
     share_net: bool = False,
     create_rules: CreateRuleTools | None = None,
+    identity: SandboxIdentity | None = None,
 ) -> LaunchPlan:
     """Plan a bubblewrap launch of `command` under `policy`.
 
@@ -369,9 +458,14 @@ def plan_bubblewrap(
     reach that PTY, and the seccomp filter refuses TIOCSTI anyway); `share_net=True` keeps the
     host's network namespace instead of the egress bridge (the profile's network is open).
 
+    A root server (`host.server_is_root`) needs `identity` (the probe's cc-identity): the plan
+    then starts bubblewrap through it, as an unprivileged host uid, with every bind idmapped to
+    its owner (step 0, backends/identity.py), and says so in `LaunchPlan.identity`.
+
     Raises:
         BackendUnavailable: the policy needs create-time filename rules and `create_rules` is
-            None (this host has no supervisor for them).
+            None (this host has no supervisor for them), or the server is root and `identity`
+            is None.
         BadSpec: a mount asks for a guest path other than its host path, or a command is empty.
         EnforcementFailed: a seccomp filter could not be built, socat is missing for the
             egress bridge, or an egress bridge was asked for with the host network shared.
@@ -385,6 +479,15 @@ def plan_bubblewrap(
             f"bwrap path {bwrap!r} is not absolute; it must come from the probe"
         )
     _check_policy(policy, create_rules)
+    if not host.server_is_root:
+        identity = None
+    elif identity is None:
+        raise BackendUnavailable(
+            "the server runs as root, and a sandbox it started would be host uid 0, which owns "
+            "host-global kernel settings; this host has no sandbox identity (see "
+            "`cc-server probe`), so the run is refused",
+            fix="build cc-identity with scripts/bootstrap, or run the server as a non-root user",
+        )
     try:
         bpf = filter_bpf()
     except OSError as exc:
@@ -406,7 +509,9 @@ def plan_bubblewrap(
         else None
     )
     argv: list[_Word] = [bwrap]
-    argv += _step_namespaces(new_session=new_session, share_net=share_net)
+    argv += _step_namespaces(
+        new_session=new_session, share_net=share_net, identity=identity is not None
+    )
     argv += _step_system(host)
     argv += _step_home(host, policy.mounts)
     argv += _step_binds(host, policy.mounts)
@@ -423,6 +528,12 @@ def plan_bubblewrap(
     # 9. Working directory, then the seccomp filter (bwrap loads it last, right before exec).
     argv += ["--chdir", "/" if serve else cwd, "--seccomp", FdArg(name="seccomp.bpf", data=bpf)]
     argv += ["--", *inner_argv]
+    roots = [m.host_path for m in sorted(policy.mounts, key=lambda m: m.host_path.count("/"))]
+    if create_rules is not None and launcher_args:
+        roots.append(create_rules.launcher)
+    if command.egress is not None and BRIDGE_DIR in argv:
+        roots.append(command.egress.socket_dir)
+    argv = _step_identity(argv, identity, roots)
 
     env = dict(command.env)
     env.setdefault("PATH", DEFAULT_PATH)
@@ -450,10 +561,17 @@ def plan_bubblewrap(
             (f"create-time names refused: {', '.join(rules.globs)} (seccomp supervisor)",)
             if rules is not None
             else ()
+        )
+        + (
+            (f"host identity: uid {identity.uid} gid {identity.gid}, not the server's root; "
+             "binds idmapped to their owners",)
+            if identity is not None
+            else ()
         ),
         create_rules=rules,
         egress_handoff=handoff,
         session=session,
+        identity=identity,
     )
 
 

@@ -16,6 +16,7 @@ __all__ = [
     "InheritedFd",
     "LaunchPlan",
     "Planner",
+    "SandboxIdentity",
     "SessionCommand",
 ]
 
@@ -93,6 +94,19 @@ class CreateRules:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxIdentity:
+    """The unprivileged host identity a root server's sandboxes run as (backends/identity.py).
+
+    `helper` (cc-identity, resolved by the probe) starts bubblewrap as `uid` and `gid` with the
+    binds idmapped to their owners; the create-rule supervisor's workers take on the same ids.
+    """
+
+    helper: str
+    uid: int
+    gid: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SessionCommand:
     """A command for a session sandbox (runtime/session_sandbox.py): the launcher inside, the
     sandbox's PID 1, starts `argv` with exactly `env` in `cwd` when asked over `socket`.
@@ -126,6 +140,8 @@ class LaunchPlan:
     egress_handoff: InheritedFd | None = None
     # Set when `argv` starts a session sandbox rather than the command: the command itself.
     session: SessionCommand | None = None
+    # Set when the sandbox runs as another host identity than the server (a root server's).
+    identity: SandboxIdentity | None = None
 
     def render(self) -> str:
         """Human-readable form: one argv word per line, pairs of bwrap options kept together."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from cc_server.backends.identity import IDENTITY_TOOL, IdentityCheck, check_identity
 from cc_server.policy.host import Platform, detect_platform
 
 if TYPE_CHECKING:
@@ -88,6 +89,11 @@ class ProbeFacts:
     )
     """Whether the create-rule supervisor is built and the kernel can run it (Linux); see
     `supervisor.check_create_rules`. The default reports it absent."""
+    identity: Callable[[], IdentityCheck] = field(
+        default=lambda: IdentityCheck(needed=False), compare=False
+    )
+    """Whether the server needs a sandbox identity (it runs as root) and has one that works
+    (Linux); see `identity.check_identity`. The default: not needed."""
 
     @classmethod
     def current(cls) -> ProbeFacts:
@@ -98,6 +104,7 @@ class ProbeFacts:
             is_file=os.path.isfile,
             selftest=run_bwrap_selftest,
             create_rules=_check_create_rules,
+            identity=check_identity,
         )
 
 
@@ -314,6 +321,16 @@ def _probe_linux(facts: ProbeFacts) -> ProbeResult:
     bwrap = found["bwrap"]
     selftest = facts.selftest(bwrap)
     if selftest.ok:
+        identity = facts.identity()
+        if identity.needed and not (identity.available and identity.helper):
+            return ProbeResult(
+                platform=facts.platform,
+                available=False,
+                hint=identity.hint or "the server runs as root and has no sandbox identity",
+                tools=found,
+            )
+        if identity.helper:
+            found[IDENTITY_TOOL] = identity.helper
         rules = facts.create_rules()
         if rules.available and rules.launcher and rules.library:
             found[CREATE_LAUNCHER_TOOL] = rules.launcher

@@ -62,6 +62,8 @@ from cc_server.errors import EnforcementFailed
 if TYPE_CHECKING:
     import asyncio
 
+    from cc_server.backends.plan import SandboxIdentity
+
 __all__ = [
     "ABI_VERSION",
     "GUEST_LAUNCHER",
@@ -84,7 +86,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 5  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 6  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -313,7 +315,7 @@ def _library(path: str) -> ctypes.CDLL:
         lib.ccs_start.restype = _Handle
         lib.ccs_start.argtypes = [
             ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-            ctypes.c_uint, ctypes.c_char_p, ctypes.c_size_t,
+            ctypes.c_uint, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_char_p, ctypes.c_size_t,
         ]  # fmt: skip
         lib.ccs_stop.restype = None
         lib.ccs_stop.argtypes = [_Handle]
@@ -374,11 +376,14 @@ class CreateRuleSupervisor:
         workers: int = WORKERS,
         sync_wake: bool = True,
         reply_here: bool = True,
+        identity: SandboxIdentity | None = None,
     ) -> CreateRuleSupervisor:
         """Supervise `listener` (taken over, closed on failure too) for names matching `globs`.
 
         `sync_wake` asks the kernel to wake the task and the workers on each other's CPU;
         `reply_here` keeps the task on the worker's CPU while an opened file is handed to it.
+        `identity` is the sandbox's host identity when it is not the server's own (a root
+        server's, `LaunchPlan.identity`): the workers take on its uid and gid.
 
         Raises:
             EnforcementFailed: the library could not be loaded or its workers not started.
@@ -394,7 +399,10 @@ class CreateRuleSupervisor:
             fcntl_setpipe_sz(write_fd, REPORT_PIPE_BYTES)
         error = ctypes.create_string_buffer(256)
         flags = (1 if sync_wake else 0) | (2 if reply_here else 0)
-        handle = lib.ccs_start(listener, blob, len(blob), write_fd, workers, flags, error, 256)
+        uid, gid = (identity.uid, identity.gid) if identity is not None else (-1, -1)
+        handle = lib.ccs_start(
+            listener, blob, len(blob), write_fd, workers, flags, uid, gid, error, 256
+        )
         if not handle:  # the library closed the listener and the pipe's write end
             os.close(read_fd)
             raise EnforcementFailed(

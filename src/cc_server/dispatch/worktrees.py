@@ -3,7 +3,9 @@
 Each conversation works in its own worktree; the registered checkout is never written. Three ways
 to make one, tried in this order by `choose_strategy` (each is measured on the host, once):
 
-1. `overlay`: a kernel overlayfs mount whose lower layer is the checkout and whose upper layer is
+1. `overlay` (not for a root server, whose sandboxes reach their binds through idmapped mounts,
+   which overlayfs does not support; see backends/identity.py; an explicit strategy still can):
+   a kernel overlayfs mount whose lower layer is the checkout and whose upper layer is
    the conversation's own directory. The mount is made in the server's mount namespace, so the
    sandbox (a bind of the merged directory) and the in-process file tools (plain host paths) see
    the same merged view. That needs CAP_SYS_ADMIN in the initial user namespace. An overlay
@@ -39,6 +41,7 @@ import shutil
 import stat
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -228,6 +231,12 @@ def _git(git: str, *args: str, cwd: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+OVERLAY_NOT_FOR_ROOT = (
+    "a root server's sandboxes run as an unprivileged identity through idmapped binds, and an "
+    "overlayfs mount cannot be idmapped"
+)
+
+
 def _try_overlay(scratch: str) -> str | None:
     """None when an overlay mount works under `scratch`, else why not."""
     layers = {name: os.path.join(scratch, name) for name in ("lower", "upper", "work", "merged")}
@@ -282,10 +291,16 @@ def choose_strategy(base: str, git: str | None) -> StrategyChoice:
         BackendUnavailable: none works (no overlay, no reflink and no git).
     """
     rejected: list[tuple[WorktreeStrategy, str]] = []
-    for strategy, attempt in (
+    tries: list[tuple[WorktreeStrategy, Callable[[str], str | None]]] = [
         (WorktreeStrategy.OVERLAY, _try_overlay),
         (WorktreeStrategy.REFLINK, _try_reflink),
-    ):
+    ]
+    if os.geteuid() == 0:
+        # Only root can mount one, and a root server's sandboxes reach their binds through
+        # idmapped mounts (backends/identity.py), which overlayfs does not support.
+        tries.pop(0)
+        rejected.append((WorktreeStrategy.OVERLAY, OVERLAY_NOT_FOR_ROOT))
+    for strategy, attempt in tries:
         scratch = os.path.join(base, f".probe-{secrets.token_hex(6)}")
         os.mkdir(scratch, 0o700)
         try:

@@ -31,6 +31,9 @@ class HostFacts:
     realpath: Callable[[str], str] = field(compare=False)
     exists: Callable[[str], bool] = field(compare=False)
     is_dir: Callable[[str], bool] = field(default=os.path.isdir, compare=False)
+    server_is_root: bool = field(default_factory=lambda: os.geteuid() == 0)
+    """The server runs as host uid 0: its sandboxes must then run as another identity. The
+    default is the truth about this process, so a HostFacts built by hand cannot forget it."""
 
     @classmethod
     def current(cls, platform: Platform | None = None) -> HostFacts:
@@ -41,6 +44,7 @@ class HostFacts:
             realpath=os.path.realpath,
             exists=os.path.lexists,
             is_dir=os.path.isdir,
+            server_is_root=os.geteuid() == 0,
         )
 
 

@@ -378,7 +378,8 @@ class Execution:
             if plan.create_rules is not None:
                 listener = await receive_listener(socks[plan.create_rules.socket.name])
                 self._create_rules = CreateRuleSupervisor.start(
-                    listener, plan.create_rules.globs, library=plan.create_rules.library
+                    listener, plan.create_rules.globs, library=plan.create_rules.library,
+                    identity=plan.identity,
                 )
         except BaseException:
             self._signal_group()

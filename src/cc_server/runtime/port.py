@@ -31,7 +31,12 @@ from cc_server.runtime.egress import SessionEgress, egress_base_dir, remove_stal
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.seatbelt_monitor import SeatbeltMonitor
-from cc_server.runtime.select import choose_backend, microvm_unavailable, planner_for
+from cc_server.runtime.select import (
+    choose_backend,
+    microvm_unavailable,
+    planner_for,
+    sandbox_identity,
+)
 
 if TYPE_CHECKING:
     from cc_server.microvm.handle import MicroVMHandle
@@ -345,6 +350,7 @@ class SandboxManager:
                 bwrap=self.probe_result.tools["bwrap"],
                 new_session=False,
                 share_net=True,
+                identity=sandbox_identity(self.probe_result),
             )
         elif self.probe_result.mechanism == "seatbelt" and self.host.platform is Platform.MACOS:
             # The same profile under Seatbelt: its network is open, so no proxies either.

@@ -21,14 +21,21 @@ from functools import partial
 from typing import Protocol
 
 from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
+from cc_server.backends.identity import IDENTITY_TOOL, SANDBOX_GID, SANDBOX_UID
 from cc_server.backends.none import plan_none
-from cc_server.backends.plan import Planner
+from cc_server.backends.plan import Planner, SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import HostFacts, Platform, SandboxBackend
 
-__all__ = ["MicroVMVerdict", "choose_backend", "microvm_unavailable", "planner_for"]
+__all__ = [
+    "MicroVMVerdict",
+    "choose_backend",
+    "microvm_unavailable",
+    "planner_for",
+    "sandbox_identity",
+]
 
 log = logging.getLogger("cc_server.runtime")
 
@@ -111,6 +118,14 @@ def _create_rule_tools(probe_result: ProbeResult) -> CreateRuleTools | None:
     return CreateRuleTools(launcher=launcher, library=library)
 
 
+def sandbox_identity(probe_result: ProbeResult) -> SandboxIdentity | None:
+    """The probe's sandbox identity helper, when this server needs one (it runs as root)."""
+    helper = probe_result.tools.get(IDENTITY_TOOL)
+    if helper is None:
+        return None
+    return SandboxIdentity(helper=helper, uid=SANDBOX_UID, gid=SANDBOX_GID)
+
+
 def planner_for(backend: SandboxBackend, probe_result: ProbeResult, host: HostFacts) -> Planner:
     """The planning function for `backend` on this host, with tool paths from the probe.
 
@@ -131,6 +146,7 @@ def planner_for(backend: SandboxBackend, probe_result: ProbeResult, host: HostFa
                 bwrap=probe_result.tools["bwrap"],
                 socat=probe_result.tools.get("socat"),
                 create_rules=_create_rule_tools(probe_result),
+                identity=sandbox_identity(probe_result),
             )
         if probe_result.mechanism == "seatbelt" and host.platform is Platform.MACOS:
             return partial(

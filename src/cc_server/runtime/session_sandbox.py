@@ -247,7 +247,8 @@ class SessionSandbox:
                 if plan.create_rules is not None:
                     listener = await receive_listener(pairs[plan.create_rules.socket.name][0])
                     sandbox._rules = CreateRuleSupervisor.start(
-                        listener, plan.create_rules.globs, library=plan.create_rules.library
+                        listener, plan.create_rules.globs, library=plan.create_rules.library,
+                        identity=plan.identity,
                     )
                     asyncio.get_running_loop().add_reader(
                         sandbox._rules.report_fd, sandbox._on_reports

@@ -22,6 +22,7 @@ def fake_host(existing: tuple[str, ...] = ()) -> HostFacts:
         realpath=lambda p: p,
         exists=lambda p: p in ("/usr", "/etc", "/home/dev", "/work", *existing),
         is_dir=lambda p: True,
+        server_is_root=False,
     )
 
 

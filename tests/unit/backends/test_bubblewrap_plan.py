@@ -18,7 +18,7 @@ from cc_server.backends.bubblewrap import (
     plan_bubblewrap,
 )
 from cc_server.backends.egress_bridge import BRIDGE_DIR
-from cc_server.backends.plan import Command, EgressBridge, FdArg, LaunchPlan
+from cc_server.backends.plan import Command, EgressBridge, FdArg, LaunchPlan, SandboxIdentity
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
 from cc_server.policy import (
@@ -129,7 +129,8 @@ def make_host(
         files=frozenset(files),
     )
     return HostFacts(
-        platform=platform, home=home, realpath=fs.realpath, exists=fs.exists, is_dir=fs.is_dir
+        platform=platform, home=home, realpath=fs.realpath, exists=fs.exists, is_dir=fs.is_dir,
+        server_is_root=False,
     )
 
 
@@ -808,3 +809,88 @@ def test_egress_bridge_with_the_network_off_says_the_proxies_refuse_everything()
 def test_egress_bridge_without_an_absolute_socat_is_refused(socat: str | None) -> None:
     with pytest.raises(EnforcementFailed, match="socat"):
         _bridged(socat=socat)
+
+
+def test_procfs_knobs_are_read_only_and_the_kernel_s_secrets_masked() -> None:
+    # The OCI runtime's read-only and masked lists as a floor: what the host's procfs has is
+    # covered right after --proc, what it lacks is not planned (bwrap cannot create a name there).
+    host = make_host(
+        dirs={"/work", "/proc/sys", "/proc/irq", "/proc/acpi", "/proc/pressure"},
+        files={"/proc/sysrq-trigger", "/proc/kcore", "/proc/keys"},
+    )
+    argv = [str(a) for a in plan(make_policy(host, bindMounts=[{"hostPath": "/work"}]), host).argv]
+    at = argv.index("--proc")
+    assert argv[at : at + 2 + 6 * 3 + 4 + 1] == [
+        "--proc", "/proc",
+        "--ro-bind", "/proc/irq", "/proc/irq",
+        "--ro-bind", "/proc/pressure", "/proc/pressure",
+        "--ro-bind", "/proc/sys", "/proc/sys",
+        "--ro-bind", "/proc/sysrq-trigger", "/proc/sysrq-trigger",
+        "--tmpfs", "/proc/acpi", "--remount-ro", "/proc/acpi",
+        "--ro-bind", "/dev/null", "/proc/kcore",
+        "--ro-bind", "/dev/null", "/proc/keys",
+        "--dev",
+    ]  # fmt: skip
+
+
+IDENTITY = SandboxIdentity(helper="/opt/cc/cc-identity", uid=0x7000_0000, gid=0x7000_0000)
+
+
+def _root_host(**kwargs: Any) -> HostFacts:
+    return dataclasses.replace(make_host(**kwargs), server_is_root=True)
+
+
+def test_a_root_server_without_a_sandbox_identity_runs_nothing() -> None:
+    host = _root_host(dirs={"/work"})
+    with pytest.raises(BackendUnavailable, match="host uid 0"):
+        plan(make_policy(host, bindMounts=[{"hostPath": "/work"}]), host)
+
+
+def test_a_root_server_starts_bwrap_as_its_identity_with_every_bind_staged() -> None:
+    # The helper stages each bind root (nested ones too) at /dev/shm/<n>; every bwrap source
+    # under a root comes from its innermost root's stage; system paths stay as they are.
+    host = _root_host(dirs={"/work", "/work/.git", "/work/.git/hooks", "/work/state", "/data"})
+    policy = make_policy(
+        host,
+        bindMounts=[{"hostPath": "/work"}, {"hostPath": "/data", "readOnly": True}],
+        runnerStateDirs=["/work/state"],
+    )
+    got = plan_bubblewrap(
+        policy, Command(argv=("true",)), host=host, bwrap=BWRAP, identity=IDENTITY
+    )
+    argv = [str(a) for a in got.argv]
+    assert got.identity == IDENTITY
+    roots = argv[argv.index("--stage") + 2 : argv.index("--")]
+    assert roots == ["--map", "/work", "--map", "/data", "--map", "/work/state"]
+    assert argv[: argv.index("--stage")] == [
+        "/opt/cc/cc-identity", "--uid", str(IDENTITY.uid), "--gid", str(IDENTITY.gid),
+    ]  # fmt: skip
+    bwrap_argv = argv[argv.index("--") + 1 :]
+    assert bwrap_argv[:4] == [BWRAP, "--unshare-user", "--uid", "0"]
+    pairs = {(bwrap_argv[i + 1], bwrap_argv[i + 2]) for i, w in enumerate(bwrap_argv)
+             if w in ("--bind", "--ro-bind")}  # fmt: skip
+    assert ("/dev/shm/0", "/work") in pairs
+    assert ("/dev/shm/1", "/data") in pairs
+    assert ("/dev/shm/2", "/work/state") in pairs
+    assert ("/dev/shm/0/.git/hooks", "/work/.git/hooks") in pairs
+    assert ("/usr", "/usr") in pairs
+    assert not [s for s, d in pairs if s.startswith(("/work", "/data"))]
+    assert any("host identity: uid" in n for n in got.notes)
+
+
+def test_a_root_server_refuses_a_bind_over_the_stage() -> None:
+    host = _root_host(dirs={"/dev/shm/x"})
+    with pytest.raises(BadSpec, match="/dev/shm"):
+        plan_bubblewrap(
+            make_policy(host, bindMounts=[{"hostPath": "/dev/shm/x"}]),
+            Command(argv=("true",)), host=host, bwrap=BWRAP, identity=IDENTITY,
+        )  # fmt: skip
+
+
+def test_a_non_root_server_ignores_the_identity() -> None:
+    host = make_host(dirs={"/work"})
+    got = plan_bubblewrap(
+        make_policy(host, bindMounts=[{"hostPath": "/work"}]), Command(argv=("true",)),
+        host=host, bwrap=BWRAP, identity=IDENTITY,
+    )  # fmt: skip
+    assert got.argv[0] == BWRAP and got.identity is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 
 import pytest
@@ -60,7 +61,11 @@ def test_platform_values() -> None:
 
 
 def probe_fields() -> list[str]:
-    return [f.name for f in dataclasses.fields(HostFacts) if f.name not in ("platform", "home")]
+    return [
+        f.name
+        for f in dataclasses.fields(HostFacts)
+        if f.name not in ("platform", "home", "server_is_root")
+    ]
 
 
 def test_current_returns_a_platform_and_callables() -> None:
@@ -74,6 +79,7 @@ def test_current_returns_a_platform_and_callables() -> None:
     # Read-only lookups of the real root; nothing under the real home is touched.
     assert facts.realpath("/") == "/"
     assert facts.exists("/") is True
+    assert facts.server_is_root is (os.geteuid() == 0)
 
 
 def test_current_keeps_a_given_platform() -> None:

@@ -10,7 +10,9 @@ import os
 import pytest
 
 from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
+from cc_server.backends.identity import IDENTITY_TOOL, SANDBOX_GID, SANDBOX_UID
 from cc_server.backends.none import plan_none
+from cc_server.backends.plan import SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
@@ -122,8 +124,20 @@ def test_planner_for_native_bubblewrap_is_a_bound_plan_bubblewrap(probe: ProbeRe
         "bwrap": BWRAP,
         "socat": probe.tools.get("socat"),
         "create_rules": None,  # the probe found no create-rule supervisor
+        "identity": None,  # nor a sandbox identity (only a root server needs one)
     }
     assert planner.keywords["host"] is host
+
+
+def test_planner_for_native_bubblewrap_passes_the_sandbox_identity_the_probe_found() -> None:
+    probe = dataclasses.replace(
+        LINUX_OK, tools={**LINUX_OK.tools, IDENTITY_TOOL: "/opt/cc/cc-identity"}
+    )
+    planner = planner_for(SandboxBackend.NATIVE, probe, _host(probe.platform))
+    assert isinstance(planner, functools.partial)
+    assert planner.keywords["identity"] == SandboxIdentity(
+        helper="/opt/cc/cc-identity", uid=SANDBOX_UID, gid=SANDBOX_GID
+    )
 
 
 def test_planner_for_native_bubblewrap_passes_the_create_rule_tools_the_probe_found() -> None:

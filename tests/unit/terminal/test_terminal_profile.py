@@ -44,7 +44,7 @@ def host(dirs: Iterable[str] = (), links: Mapping[str, str] | None = None,
     fs = Fs(links=dict(links or {}),
             dirs=frozenset({"/usr", "/etc", home, "/work", f"{home}/.ssh", *dirs}))
     return HostFacts(platform=platform, home=home, realpath=fs.realpath, exists=fs.exists,
-                     is_dir=fs.is_dir)
+                     is_dir=fs.is_dir, server_is_root=False)
 
 
 BWRAP_PROBE = ProbeResult(platform=Platform.LINUX, available=True, mechanism="bubblewrap",

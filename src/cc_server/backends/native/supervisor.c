@@ -31,8 +31,9 @@
  *      record on the report pipe.
  *
  * Credentials: worker threads drop every capability (per-thread, permanently) and keep the
- * server's uid and gids, which are the sandbox's own (bwrap maps exactly one uid and gid); a
- * notification from a task whose fsuid, fsgid or groups differ is refused. Each worker has its
+ * server's uid and gids, which are the sandbox's own (bwrap maps exactly one uid and gid), or,
+ * for a root server, take on the sandbox's host identity (uid, gid, no groups; per thread, see
+ * switch_identity); a notification from a task whose fsuid, fsgid or groups differ is refused. Each worker has its
  * own fs_struct (unshare(CLONE_FS)) so it can take on the process's umask.
  *
  * umask(2), the set*id calls and execve(at) are trapped too, only so that the cache of step 1
@@ -94,7 +95,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CCS_ABI_VERSION 5
+#define CCS_ABI_VERSION 6
 
 #ifndef SECCOMP_ADDFD_FLAG_SEND
 #define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
@@ -165,6 +166,7 @@ struct ccs {
     int nglobs;
     uid_t uid;
     gid_t gid;
+    bool switch_id; /* workers take on uid and gid (a root server's sandbox identity) */
     gid_t *groups;  /* sorted */
     int ngroups;
     int nworkers;
@@ -2094,6 +2096,19 @@ static int drop_capabilities(void) {
     return (int)syscall(SYS_capset, &hdr, data);
 }
 
+/* This thread only (raw syscalls: libc's set*id calls change every thread of the server). */
+static int switch_identity(struct ccs *s) {
+    if (syscall(SYS_setgroups, 0, NULL) < 0 ||
+        syscall(SYS_setresgid, s->gid, s->gid, s->gid) < 0 ||
+        syscall(SYS_setresuid, s->uid, s->uid, s->uid) < 0)
+        return -1;
+    if (syscall(SYS_setresuid, 0, 0, 0) == 0) { /* must not come back */
+        errno = EPERM;
+        return -1;
+    }
+    return 0;
+}
+
 /* Stop every worker: the polling ones see stop_fd, the standby ones crowd_cond. */
 static void set_stopping(struct ccs *s) {
     pthread_mutex_lock(&s->lock);
@@ -2110,6 +2125,9 @@ static void *worker(void *arg) {
     if (unshare(CLONE_FS) < 0) {
         err = errno;
         what = "unshare(CLONE_FS)";
+    } else if (s->switch_id && switch_identity(s) < 0) {
+        err = errno;
+        what = "switch to the sandbox identity";
     } else if (drop_capabilities() < 0) {
         err = errno;
         what = "capset";
@@ -2262,7 +2280,8 @@ int ccs_abi_version(void) { return CCS_ABI_VERSION; }
  * Returns NULL with a message in `err` on failure (then both fds are closed).
  */
 struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int report_fd,
-                      int nworkers, unsigned flags, char *err, size_t errlen) {
+                      int nworkers, unsigned flags, long long identity_uid,
+                      long long identity_gid, char *err, size_t errlen) {
     struct ccs *s = calloc(1, sizeof *s);
     if (!s) {
         snprintf(err, errlen, "out of memory");
@@ -2302,7 +2321,19 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     }
     s->uid = geteuid();
     s->gid = getegid();
-    int ng = getgroups(0, NULL);
+    if (identity_uid >= 0 || identity_gid >= 0) {
+        /* A root server's sandbox runs as another uid and gid with no groups: each worker
+         * thread takes them on (below), so it has no more reach than the sandbox's tasks. */
+        if (identity_uid <= 0 || identity_gid <= 0 || identity_uid >= 0xFFFFFFFFll ||
+            identity_gid >= 0xFFFFFFFFll) {
+            snprintf(err, errlen, "bad identity %lld:%lld", identity_uid, identity_gid);
+            goto fail;
+        }
+        s->uid = (uid_t)identity_uid;
+        s->gid = (gid_t)identity_gid;
+        s->switch_id = true;
+    }
+    int ng = s->switch_id ? 0 : getgroups(0, NULL);
     if (ng < 0 || ng > MAX_GROUPS) {
         snprintf(err, errlen, "getgroups: %s", strerror(errno));
         goto fail;
@@ -2310,7 +2341,7 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     s->groups = calloc((size_t)ng + 1, sizeof(gid_t));
     if (!s->groups)
         goto oom;
-    s->ngroups = getgroups(ng, s->groups);
+    s->ngroups = s->switch_id ? 0 : getgroups(ng, s->groups);
     if (s->ngroups < 0) {
         snprintf(err, errlen, "getgroups: %s", strerror(errno));
         goto fail;

@@ -1,0 +1,90 @@
+"""The host identity of a root server's sandboxes: never host uid 0.
+
+A sandbox started by bubblewrap maps its one uid to the server's. For a root server that is host
+uid 0, which owns `/proc/sys` and whatever else the kernel checks by uid alone (no capability is
+needed to write a root-owned `0644` file). So a root server starts every sandbox through
+`cc-identity` (native/identity.c, built by scripts/bootstrap), which runs bubblewrap as
+`SANDBOX_UID`:`SANDBOX_GID` with no supplementary groups, after idmapping each bind so its owner's
+files appear as that identity's: the sandbox reads and writes a bind as its owner, and what it
+creates there belongs on the host to that owner. Inside, the command still runs as uid 0 (bwrap
+`--uid 0 --gid 0`), with no capability, as a root server's commands always did.
+
+The binds reach bubblewrap through `STAGE_DIR/<n>`: a tmpfs the helper mounts in a mount namespace
+of its own (a slave of the host's), so no directory above a bind needs to be searchable by the
+sandbox identity and nothing changes in the host's mount table.
+
+A non-root server keeps bubblewrap's own mapping: the sandbox is the server's uid.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from typing import Final
+
+__all__ = [
+    "IDENTITY_TOOL",
+    "SANDBOX_GID",
+    "SANDBOX_UID",
+    "STAGE_DIR",
+    "IdentityCheck",
+    "check_identity",
+]
+
+# One uid and gid for every sandbox of a root server, owned by nothing on the host: above the
+# ranges useradd (1000-60000) and systemd's dynamic users (61184-65519) take, and above the
+# subordinate ranges useradd hands out (100000 + 65536 n, for the first 28,000 users).
+SANDBOX_UID: Final = 0x7000_0000
+SANDBOX_GID: Final = 0x7000_0000
+# Where the helper stages the idmapped binds, in its own mount namespace. /dev/shm exists on every
+# Linux host; bubblewrap's `--dev /dev` makes the sandbox a /dev of its own, so the host's
+# /dev/shm is never a source of the plan.
+STAGE_DIR: Final = "/dev/shm"
+IDENTITY_TOOL: Final = "cc-identity"  # probe tools key: the helper's absolute path
+SELFTEST_TIMEOUT_S: Final = 10.0
+_NATIVE_DIR: Final = os.path.join(os.path.dirname(os.path.abspath(__file__)), "native")
+_BUILD_HINT: Final = (
+    "build it with scripts/bootstrap (needs gcc), or run the server as a non-root user"
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class IdentityCheck:
+    """Whether this server needs a sandbox identity, and whether it has one that works."""
+
+    needed: bool
+    available: bool = False
+    helper: str | None = None
+    hint: str | None = None
+
+
+def check_identity(native_dir: str = _NATIVE_DIR) -> IdentityCheck:
+    """The probe's check: needed only as root; then the helper must be built and its selftest
+    (an idmapped bind written as the sandbox identity, owned by the bind's owner) must pass.
+    Raises nothing."""
+    if os.geteuid() != 0:
+        return IdentityCheck(needed=False)
+    helper = os.path.join(native_dir, IDENTITY_TOOL)
+    if not os.access(helper, os.X_OK):
+        return IdentityCheck(
+            needed=True,
+            hint=f"the server runs as root and its sandboxes must not: {helper} is missing; "
+            + _BUILD_HINT,
+        )
+    try:
+        done = subprocess.run(
+            [helper, "--selftest", str(SANDBOX_UID), str(SANDBOX_GID)],
+            capture_output=True, timeout=SELFTEST_TIMEOUT_S, check=False, env={},
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return IdentityCheck(needed=True, hint=f"{helper} --selftest failed: {exc}")
+    if done.returncode != 0:
+        detail = done.stderr.decode(errors="replace").strip() or f"exit {done.returncode}"
+        return IdentityCheck(
+            needed=True,
+            hint=f"the server runs as root, and the sandbox identity does not work here "
+            f"({detail}); idmapped mounts need Linux 5.12 or newer; or run the server as a "
+            "non-root user",
+        )
+    return IdentityCheck(needed=True, available=True, helper=helper)
