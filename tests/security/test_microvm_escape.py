@@ -10,6 +10,7 @@ guest, which has no route to anything).
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import pathlib
 
@@ -17,6 +18,7 @@ import pytest
 from microvm_kit import events_of, launch, launch_with_carve_out, manager, read_until
 from test_egress import ALLOWED, DENIED, LOOPBACK, FakeDns, open_upstream
 
+from cc_server.backends.identity import SANDBOX_GID, SANDBOX_UID
 from cc_server.errors import EnforcementFailed
 from cc_server.microvm.mounts import GuestMount
 from cc_server.microvm.proto import FrameType
@@ -255,5 +257,129 @@ async def test_qemu_itself_sees_only_its_own_files(tmp_path: pathlib.Path) -> No
         assert os.listdir(f"{root}/etc") == ["ld.so.cache"]
         for ns in ("net", "pid", "ipc", "uts"):  # no network at all: the guest has no device
             assert os.readlink(f"/proc/{qemu}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}")
+    finally:
+        await m.aclose()
+
+
+# Each plants a set-id file or directory in the share, through a different syscall of QEMU's
+# (what QEMU 7.2 turns each into, as traced): a mode change after the fact (chmod of
+# /proc/self/fd/N), a creation mode (openat, mknodat; mkdirat gets no set-id bit from a Linux
+# guest, which strips it), and the mode-preserving copies and extractions (`cp -p`, `tar -p`,
+# `cpio`) that do both. The sources of the copies are empty: a write by a process without
+# CAP_FSETID (QEMU as the sandbox identity) would clear the bits on the host by itself.
+SET_ID_ATTEMPTS = (
+    "cp /bin/busybox /work/chmod-4755 && chmod 4755 /work/chmod-4755",
+    "cp /bin/busybox /work/chmod-u+s && chmod u+s /work/chmod-u+s",
+    "cp /bin/busybox /work/chmod-g+s && chmod g+s /work/chmod-g+s",
+    "mkdir /work/dir-g+s && chmod g+s /work/dir-g+s",
+    "mkdir -m 2755 /work/mkdir-mode",
+    "cp /tmp/suid /work/open-mode",  # busybox cp creates with the source's mode
+    "cp -p /tmp/suid /work/cp-p",
+    "mknod -m 4755 /work/mknod-mode p",
+    "mkfifo -m 6755 /work/mkfifo-mode",
+    "tar -xpf /tmp/suid.tar -C /work/tar",
+    "cd /work/cpio && cpio -i -d -m < /tmp/suid.cpio",
+)
+SET_ID_SOURCES = (  # in the guest's own RAM filesystem, where the guest kernel allows them
+    "touch /tmp/suid && chmod 6755 /tmp/suid && tar -cpf /tmp/suid.tar -C /tmp suid"
+    " && cd /tmp && echo suid | cpio -o -H newc > /tmp/suid.cpio && stat -c %a /tmp/suid"
+)
+
+
+def _set_id_files(root: pathlib.Path) -> list[str]:
+    found = []
+    for path in (root, *root.rglob("*")):
+        if path.lstat().st_mode & 0o6000:
+            found.append(f"{path} {oct(path.lstat().st_mode)}")
+    return found
+
+
+async def test_no_set_id_file_lands_on_the_host_through_a_share(tmp_path: pathlib.Path) -> None:
+    # QEMU exports the share with security_model=none: the guest's modes land as QEMU's. The
+    # seccomp filter QEMU's bubblewrap loads refuses a set-id bit in every mode QEMU sets
+    # (backends/seccomp.filter_bpf), so each attempt gets EPERM and nothing set-id is left.
+    work = tmp_path / "work"
+    (work / "tar").mkdir(parents=True)
+    (work / "cpio").mkdir()
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}])
+        setup = await run_collect(handle, ["/bin/sh", "-c", SET_ID_SOURCES])
+        assert setup.stdout.strip() == b"6755", setup.stderr
+        for index, attempt in enumerate(SET_ID_ATTEMPTS):
+            result = await run_collect(handle, ["/bin/sh", "-c",
+                f"{attempt}; echo status=$?"])
+            out = result.stdout.decode()
+            assert "status=0" not in out, (attempt, out, result.stderr)
+            assert b"Operation not permitted" in result.stderr, (attempt, result.stderr)
+            assert not _set_id_files(work), (index, attempt, _set_id_files(work))
+        # The share still takes ordinary files and modes.
+        plain = await run_collect(handle, ["/bin/sh", "-c",
+            "cp /bin/busybox /work/plain && chmod 755 /work/plain && mkdir -m 700 /work/d"])
+        assert plain.exit_code == 0, plain.stderr
+        assert (work / "plain").stat().st_mode & 0o7777 == 0o755
+        assert (work / "d").stat().st_mode & 0o7777 == 0o700
+    finally:
+        await m.aclose()
+    assert not _set_id_files(work)
+
+
+def _host_ids(pid: int) -> tuple[list[int], list[int]]:
+    """A process's real, effective, saved and filesystem uids and gids, as the host sees them."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return ([int(x) for x in fields["Uid"].split()], [int(x) for x in fields["Gid"].split()])
+
+
+async def test_qemu_is_not_host_root_and_its_proc_sys_is_read_only(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A root server's QEMU runs as the sandbox identity (cc-identity), so it owns no host-global
+    # kernel knob; whoever it runs as, its /proc/sys and the other knobs are read-only.
+    work = tmp_path / "work"
+    work.mkdir()
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}])
+        assert handle.qemu_pid is not None and handle.pool is not None
+        qemu = _qemu_in(handle.qemu_pid)
+        uids, gids = _host_ids(qemu)
+        if os.geteuid() != 0:
+            assert uids == [os.geteuid()] * 4
+        elif handle.pool.qemu_identity is None:
+            assert handle.pool.config.accel == "kvm", handle.pool.identity
+            pytest.skip("/dev/kvm opens for root only: QEMU under KVM stays root here")
+        else:
+            assert uids == [SANDBOX_UID] * 4 and gids == [SANDBOX_GID] * 4, (uids, gids)
+        knobs = ("sys/kernel/core_pattern", "sys/vm/drop_caches", "sysrq-trigger")
+        for knob in (k for k in knobs if os.path.exists(f"/proc/{k}")):  # as the host has them
+            # Opened through QEMU's own root, by the host's root: read-only mounts refuse it
+            # whoever asks (nothing is written: the open alone is refused).
+            with pytest.raises(OSError) as refused:
+                os.close(os.open(f"/proc/{qemu}/root/proc/{knob}", os.O_WRONLY))
+            assert refused.value.errno == errno.EROFS, (knob, refused.value)
+    finally:
+        await m.aclose()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs a root server: shares of another owner")
+async def test_what_the_guest_creates_in_a_share_belongs_to_the_share_owner(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A root server's QEMU writes through an idmapped stage of the share: a file the guest
+    # creates belongs on the host to the share's owner (here uid 4321), not to root.
+    owner = 4321
+    work = tmp_path / "work"
+    work.mkdir()
+    os.chown(work, owner, owner)
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}])
+        result = await run_collect(handle, ["/bin/sh", "-c",
+            "echo x > /work/file && mkdir /work/dir && echo y > /work/dir/inner"])
+        assert result.exit_code == 0, result.stderr
+        for name in ("file", "dir", "dir/inner"):
+            st = (work / name).lstat()
+            assert (st.st_uid, st.st_gid) == (owner, owner), (name, st.st_uid, st.st_gid)
     finally:
         await m.aclose()

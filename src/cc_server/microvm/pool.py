@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from cc_server.backends.plan import FdArg, SandboxIdentity
+from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import EnforcementFailed
 from cc_server.microvm.image import PRUNE_AFTER_S, GuestImage, touch
 from cc_server.microvm.link import VM_DIR_PREFIX, AgentLink, Request, hello_request, private_dir
@@ -46,6 +48,7 @@ __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 log = logging.getLogger("cc_server.microvm")
 BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
 TEMPLATE_FORMAT: Final = 4  # bump when the machine's device set changes
+KVM_DEVICE: Final = "/dev/kvm"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,9 +89,12 @@ class VmPool:
         cache_dir: Path,
         bwrap: str | None = None,
         run_base: str | None = None,
+        identity: SandboxIdentity | None = None,
     ) -> None:
         self.qemu = qemu
         self.bwrap = bwrap  # QEMU runs under bubblewrap when set (see vm.confined_argv)
+        # A root server's QEMU runs as this identity (with bwrap only; see qemu_identity).
+        self.identity = identity if bwrap is not None else None
         # Where the template boot's VM directory goes (None: the server's private base).
         self.run_base = run_base
         self.image = image
@@ -108,7 +114,13 @@ class VmPool:
         ram_shared: bool,
         shares: Sequence[Share | None],
         incoming: bool,
-    ) -> tuple[str, ...]:
+    ) -> tuple[str | FdArg, ...]:
+        """QEMU's command line, under bubblewrap when the probe found it.
+
+        Raises:
+            EnforcementFailed: QEMU's seccomp filter could not be built (QEMU does not run).
+            BadSpec: a share overlaps the identity's stage directory.
+        """
         argv = qemu_argv(
             self.qemu,
             self.image,
@@ -128,13 +140,38 @@ class VmPool:
             # makes guest RAM read-only), so the template's RAM file is the one file of the cache
             # it can reach writably; `template()` checks its hash (see the threat model).
             writable.append(str(ram))
+        try:
+            bpf = filter_bpf()
+        except OSError as exc:
+            raise EnforcementFailed(
+                f"could not build QEMU's seccomp filter: {exc}",
+                fix="install libseccomp2 (apt-get install libseccomp2)",
+            ) from exc
         return confined_argv(
             Confinement(bwrap=self.bwrap,
                         read_only=(str(self.image.directory), str(self.empty_dir)),
-                        writable=tuple(writable), kvm=self.config.accel == "kvm"),
+                        writable=tuple(writable), kvm=self.config.accel == "kvm",
+                        seccomp=bpf, identity=self.qemu_identity),
             argv,
             shares,
         )
+
+    @property
+    def qemu_identity(self) -> SandboxIdentity | None:
+        """The host identity QEMU runs as, when not the server's: the sandbox identity of a root
+        server, except under KVM when that identity may not open /dev/kvm (then QEMU stays the
+        server's uid, with the procfs floor and the seccomp filter still on)."""
+        if self.identity is None:
+            return None
+        if self.config.accel == "kvm" and not self._kvm_open_to_others():
+            return None
+        return self.identity
+
+    def _kvm_open_to_others(self) -> bool:
+        try:
+            return os.stat(KVM_DEVICE).st_mode & 0o006 == 0o006
+        except OSError:
+            return False
 
     async def template(self) -> Template:
         """The snapshot, cold-booted on first use (cached on disk across restarts).

@@ -11,6 +11,7 @@ and `probe_microvm()` (the I/O).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import shutil
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from cc_server.backends.identity import SANDBOX_GID, SANDBOX_UID, IdentityCheck, check_identity
+from cc_server.backends.plan import SandboxIdentity
 from cc_server.errors import BackendUnavailable, CcServerError
 from cc_server.microvm.image import GuestImage, ensure_image, prune_cache, stderr_progress
 from cc_server.microvm.pool import VmPool
@@ -73,6 +76,7 @@ class MicroVMProbe:
     qemu: str | None = None
     kvm_detail: str = ""  # why KVM was not used, when it was not
     qemu_confined: bool = False  # QEMU itself runs under bubblewrap
+    qemu_uid: int | None = None  # the host uid QEMU runs as (None: no VM here)
 
     def to_json(self) -> dict[str, object]:
         """JSON-ready form (cc-server probe, logs)."""
@@ -84,6 +88,7 @@ class MicroVMProbe:
             "qemu": self.qemu,
             "kvmDetail": self.kvm_detail or None,
             "qemuConfined": self.qemu_confined,
+            "qemuUid": self.qemu_uid,
         }
 
     def unavailable_error(self) -> BackendUnavailable:
@@ -149,6 +154,8 @@ class ProbeParams:
     kvm_device: str = KVM_DEVICE
     accels: tuple[str, ...] = ("kvm", "tcg")  # tried in this order
     run_base: str | None = None  # where VM directories go (None: the server's private base)
+    # Whether a root server has a working sandbox identity for QEMU (backends/identity.py).
+    identity_check: Callable[[], IdentityCheck] = field(default=check_identity)
 
 
 async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | None]:
@@ -165,6 +172,7 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
     kvm_usable = os.path.exists(params.kvm_device) and os.access(
         params.kvm_device, os.R_OK | os.W_OK
     )
+    identity, identity_note = _qemu_identity(params.identity_check())
     if qemu is None:
         return decide(MicroVMFacts(qemu=None, kvm_usable=kvm_usable)), None
     try:
@@ -178,7 +186,8 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
         if accel == "kvm" and not kvm_usable:
             continue
         pool = VmPool(qemu=qemu, image=image, config=MachineConfig(accel=accel),
-                      cache_dir=params.cache_dir, bwrap=bwrap, run_base=params.run_base)
+                      cache_dir=params.cache_dir, bwrap=bwrap, run_base=params.run_base,
+                      identity=identity)
         outcomes[accel] = await _boot_test(pool, params.cache_dir, image)
         pools[accel] = pool
         if outcomes[accel].ok:
@@ -192,7 +201,27 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
             qemu_confined=bwrap is not None,
         )
     )
-    return verdict, pools.get(verdict.accel) if verdict.accel else None
+    chosen = pools.get(verdict.accel) if verdict.accel else None
+    if chosen is None:
+        return verdict, None
+    as_identity = chosen.qemu_identity
+    qemu_uid = as_identity.uid if as_identity is not None else os.geteuid()
+    note = f"; QEMU runs as host uid {qemu_uid}"
+    if as_identity is None and os.geteuid() == 0:
+        if bwrap is None:
+            note += " (no bubblewrap to start it as the sandbox identity)"
+        else:
+            if identity is not None:
+                identity_note = f"{KVM_DEVICE} opens for root only, so QEMU under KVM stays root"
+            note += f" ({identity_note}; the procfs floor and the seccomp filter still hold)"
+    return dataclasses.replace(verdict, qemu_uid=qemu_uid, reason=verdict.reason + note), chosen
+
+
+def _qemu_identity(check: IdentityCheck) -> tuple[SandboxIdentity | None, str]:
+    """The sandbox identity QEMU takes on as a root server's, and why not when it does not."""
+    if check.available and check.helper is not None:
+        return SandboxIdentity(helper=check.helper, uid=SANDBOX_UID, gid=SANDBOX_GID), ""
+    return None, check.hint or "no sandbox identity"
 
 
 async def _boot_test(pool: VmPool, cache_dir: Path, image: GuestImage) -> BootOutcome:

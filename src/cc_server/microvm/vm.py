@@ -18,13 +18,15 @@ import os
 import signal
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from cc_server.backends.plan import LaunchPlan
+from cc_server.backends.bubblewrap import PROC_MASKED, PROC_READ_ONLY
+from cc_server.backends.identity import STAGE_DIR
+from cc_server.backends.plan import FdArg, LaunchPlan, SandboxIdentity
 from cc_server.backends.runner import start
-from cc_server.errors import EnforcementFailed
+from cc_server.errors import BadSpec, EnforcementFailed
 from cc_server.microvm.image import GuestImage
 from cc_server.policy import SandboxBackend
 
@@ -164,7 +166,12 @@ class Confinement:
     bwrap: str  # absolute, resolved by the probe
     read_only: tuple[str, ...]  # the image, the template, the empty slot directory
     writable: tuple[str, ...]  # the VM's run directory (the template's, while it is built)
+    # The filter bwrap loads on QEMU (backends/seccomp.filter_bpf): among the rest, no set-id bit
+    # in any mode QEMU sets, so a guest's `chmod 4755` in a share gets EPERM from the host.
+    seccomp: bytes = field(repr=False)
     kvm: bool = False
+    # A root server's QEMU runs as the sandbox identity through cc-identity (None: as the server).
+    identity: SandboxIdentity | None = None
 
 
 def confined_argv(
@@ -175,14 +182,39 @@ def confined_argv(
     is_symlink: Callable[[str], bool] = os.path.islink,
     readlink: Callable[[str], str] = os.readlink,
     exists: Callable[[str], bool] = os.path.exists,
-) -> tuple[str, ...]:
+    is_dir: Callable[[str], bool] = os.path.isdir,
+) -> tuple[str | FdArg, ...]:
     """`argv` (a QEMU command line) wrapped in bubblewrap: new user-invisible namespaces for
     everything (QEMU needs no network: the guest has no network device), the system directories
-    read-only, the VM's files, and each share at its own path, read-only where the share is
-    (a second lock besides `-fsdev readonly=on`). QEMU dies with the server (`--die-with-parent`),
-    so a killed server leaves no VM running. Pure: runs nothing."""
-    out = [confinement.bwrap, "--die-with-parent", "--unshare-all", "--new-session",
-           "--clearenv", "--proc", "/proc", "--dev", "/dev"]
+    read-only, procfs with its host-global knobs read-only or masked (the native sandbox's
+    floor), the VM's files, and each share at its own path, read-only where the share is
+    (a second lock besides `-fsdev readonly=on`), then the seccomp filter. QEMU dies with the
+    server (`--die-with-parent`), so a killed server leaves no VM running.
+
+    With an identity, `cc-identity` starts bubblewrap as that uid and gid, with the VM's files
+    and the shares idmapped to their owners and bound from its stage: QEMU is not host uid 0,
+    and what the guest creates in a share belongs on the host to the share's owner.
+
+    Pure: runs nothing.
+
+    Raises:
+        BadSpec: a share overlaps the identity's stage directory.
+    """
+    out: list[str | FdArg] = [
+        confinement.bwrap, "--die-with-parent", "--unshare-all", "--new-session", "--clearenv",
+        "--proc", "/proc",
+    ]  # fmt: skip
+    for path in PROC_READ_ONLY:
+        if exists(path):
+            out += ["--ro-bind", path, path]
+    for path in PROC_MASKED:
+        if not exists(path):
+            continue
+        if is_dir(path):
+            out += ["--tmpfs", path, "--remount-ro", path]
+        else:
+            out += ["--ro-bind", "/dev/null", path]
+    out += ["--dev", "/dev"]
     for path in _SYSTEM_DIRS:
         if is_symlink(path):
             out += ["--symlink", readlink(path), path]
@@ -192,14 +224,69 @@ def confined_argv(
         out += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
     if confinement.kvm:
         out += ["--dev-bind", "/dev/kvm", "/dev/kvm"]
+    roots: list[str] = []
     for path in confinement.read_only:
         out += ["--ro-bind", path, path]
+        roots.append(path)
     for path in confinement.writable:
         out += ["--bind", path, path]
+        roots.append(path)
     for share in shares:
         if share is not None:
             out += ["--ro-bind" if share.read_only else "--bind", share.host_path, share.host_path]
-    return (*out, "--", *argv)
+            roots.append(share.host_path)
+    out += ["--seccomp", FdArg(name="qemu-seccomp.bpf", data=confinement.seccomp)]
+    out += ["--", *argv]
+    if confinement.identity is None:
+        return tuple(out)
+    return _as_identity(out, confinement.identity, roots)
+
+
+_BIND_OPTIONS: Final = frozenset({"--bind", "--ro-bind"})
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _as_identity(
+    bwrap_argv: list[str | FdArg], identity: SandboxIdentity, roots: Sequence[str]
+) -> tuple[str | FdArg, ...]:
+    """`cc-identity ... -- bwrap_argv`, each bind below a root taking its source from the root's
+    stage (backends/identity.py; the native plan does the same). System paths, /dev/null and
+    /proc stay as they are: any uid reads them."""
+    staged: list[str] = []
+    for root in roots:
+        if _under(root, STAGE_DIR) or _under(STAGE_DIR, root):
+            raise BadSpec(
+                f"bind mount {root!r} overlaps {STAGE_DIR}, where a root server stages its binds",
+                fix=f"bind a directory outside {STAGE_DIR}",
+            )
+        if root not in staged:
+            staged.append(root)
+    by_depth = sorted(range(len(staged)), key=lambda i: -len(staged[i]))
+    out: list[str | FdArg] = [
+        identity.helper, "--uid", str(identity.uid), "--gid", str(identity.gid),
+        "--stage", STAGE_DIR,
+    ]  # fmt: skip
+    for root in staged:
+        out += ["--map", root]
+    out.append("--")
+    words = iter(bwrap_argv)
+    for word in words:
+        out.append(word)
+        if word == "--":  # QEMU's own argv: passed on as it is
+            out.extend(words)
+            break
+        if isinstance(word, str) and word in _BIND_OPTIONS:
+            source = next(words)
+            assert isinstance(source, str)
+            for i in by_depth:
+                if _under(source, staged[i]):
+                    source = f"{STAGE_DIR}/{i}{source[len(staged[i]):]}"
+                    break
+            out.append(source)
+    return tuple(out)
 
 
 class QmpError(EnforcementFailed):
@@ -330,7 +417,7 @@ class Qemu:
         return ""
 
     @classmethod
-    async def launch(cls, argv: tuple[str, ...], run_dir: Path) -> Qemu:
+    async def launch(cls, argv: tuple[str | FdArg, ...], run_dir: Path) -> Qemu:
         """Start QEMU with an empty environment and wait for its QMP socket.
 
         Raises:

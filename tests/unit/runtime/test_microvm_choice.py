@@ -217,7 +217,8 @@ def test_prune_cache_keeps_only_the_current_image(tmp_path: os.PathLike[str]) ->
 
 def test_confined_argv_shows_qemu_only_its_files() -> None:
     argv = confined_argv(
-        Confinement(bwrap="/usr/bin/bwrap", read_only=("/c/image",), writable=("/r/vm",)),
+        Confinement(bwrap="/usr/bin/bwrap", read_only=("/c/image",), writable=("/r/vm",),
+                    seccomp=b"bpf"),
         ("/usr/bin/qemu-system-x86_64", "-name", "/r/vm"),
         [Share(host_path="/w/rw", read_only=False), None, Share(host_path="/w/ro",
                                                                  read_only=True)],
@@ -225,7 +226,7 @@ def test_confined_argv_shows_qemu_only_its_files() -> None:
         readlink=lambda p: "usr" + p,
         exists=lambda p: p in ("/usr", "/etc/ld.so.cache"),
     )
-    text = " ".join(argv)
+    text = " ".join(map(str, argv))
     assert argv[:5] == ("/usr/bin/bwrap", "--die-with-parent", "--unshare-all",
                         "--new-session", "--clearenv")
     assert "--symlink usr/bin /bin" in text and "--ro-bind /usr /usr" in text
