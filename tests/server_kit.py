@@ -176,7 +176,7 @@ def path_without(tmp: pathlib.Path, hidden: Sequence[str]) -> str:
     `hidden` tools: the probe then finds no bwrap, as on a host without it."""
     bindir = tmp / "bin-restricted"
     bindir.mkdir(exist_ok=True)
-    for tool in ("socat", "sh", "bash", "env", "cat", "sleep", "stty", "curl", "hostname"):
+    for tool in ("socat", "sh", "bash", "env", "cat", "sleep", "stty", "curl", "hostname", "git"):
         found = shutil.which(tool)
         if found and tool not in hidden and not (bindir / tool).exists():
             (bindir / tool).symlink_to(found)

@@ -274,7 +274,7 @@ def test_plan_with_a_deny_create_rule_shows_the_launcher(env: dict[str, str]) ->
     assert plan["createRules"] == {"globs": ["*.pem"], "supervised": True}
     argv = plan["argv"]
     assert "--as-pid-1" in argv
-    launcher = argv.index("/run/cc-create/launcher", argv.index("--"))
+    launcher = argv.index("/run/cc-create/launcher", argv.index("--seccomp"))
     assert argv[launcher + 1 : launcher + 7] == [
         "--egress", "<fd:egress.sock>",
         "--filter", "<fd:create-rules.bpf>", "--socket", "<fd:create-rules.sock>",
@@ -288,7 +288,10 @@ def test_probe_json_reports_bubblewrap(env: dict[str, str]) -> None:
     result = json.loads(proc.stdout)
     assert result["available"] is True
     assert result["mechanism"] == "bubblewrap"
-    assert set(result["tools"]) == {"bwrap", "socat", "cc-create-launcher", "cc-create-supervisor"}
+    assert set(result["tools"]) == {
+        "bwrap", "socat", "cc-create-launcher", "cc-create-supervisor",
+        *(("cc-identity",) if os.geteuid() == 0 else ()),
+    }
     assert result["createRules"] is True and result["createRulesHint"] is None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -55,7 +56,8 @@ async def test_claude_version_runs_through_seam_1_in_a_real_sandbox(
         wt = d.worktrees.create("r", "c1")
         run = await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.CLAUDE)
         assert run.backend is SandboxBackend.NATIVE
-        assert run.handle.plan(Command(argv=("x",))).argv[0].endswith("bwrap")
+        first = str(run.handle.plan(Command(argv=("x",))).argv[0])
+        assert first.endswith("cc-identity" if os.geteuid() == 0 else "bwrap")
         result = await run_claude(run, ["--version"])
         assert result.exit_code == 0, result
         assert result.stdout.strip() == f"{CLAUDE_VERSION} (Claude Code)"

@@ -41,7 +41,10 @@ def test_real_probe_finds_bubblewrap() -> None:
     assert result.missing_packages == ()
     # The project's own set-up builds the create-rule supervisor (scripts/bootstrap).
     assert result.create_rules, result.create_rules_hint
-    assert set(result.tools) == {"bwrap", "socat", "cc-create-launcher", "cc-create-supervisor"}
+    assert set(result.tools) == {
+        "bwrap", "socat", "cc-create-launcher", "cc-create-supervisor",
+        *(("cc-identity",) if os.geteuid() == 0 else ()),
+    }
     for name, path in result.tools.items():
         assert os.path.isabs(path), (name, path)
         assert os.access(path, os.X_OK), (name, path)

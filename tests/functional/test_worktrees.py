@@ -48,7 +48,11 @@ def repo(tmp_path: pathlib.Path) -> pathlib.Path:
 
 def test_the_first_strategy_that_works_here_is_chosen(tmp_path: pathlib.Path) -> None:
     choice = choose_strategy(str(tmp_path), shutil.which("git"))
-    expected = next(s for s in WorktreeStrategy if _works(s, tmp_path))
+    # A root server skips overlay (its sandboxes reach binds through idmapped mounts).
+    usable = [
+        s for s in WorktreeStrategy if not (os.geteuid() == 0 and s is WorktreeStrategy.OVERLAY)
+    ]
+    expected = next(s for s in usable if _works(s, tmp_path))
     assert choice.strategy is expected, choice.describe()
     assert [s for s, _ in choice.rejected] == list(WorktreeStrategy)[: list(
         WorktreeStrategy).index(expected)]
