@@ -406,15 +406,16 @@ async def test_a_changed_snapshot_is_not_restored(
     cache = tmp_path / "cache"
     run_base = tmp_path / "run"
     run_base.mkdir(mode=0o700)
+    # As the runtime's QEMU runs (a root server's: as the sandbox identity, which builds it).
     first = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=cache,
-                   bwrap=pool.bwrap, run_base=str(run_base))
+                   bwrap=pool.bwrap, run_base=str(run_base), identity=pool.identity)
     template = await first.template()
     assert list(run_base.iterdir()) == []  # the boot's VM directory went with it
     with open(template.ram, "r+b") as ram:  # what a compromised QEMU could do to the file
         ram.seek(1 << 20)
         ram.write(b"\x90" * 64)
     again = VmPool(qemu=pool.qemu, image=pool.image, config=pool.config, cache_dir=cache,
-                   bwrap=pool.bwrap)
+                   bwrap=pool.bwrap, identity=pool.identity)
     with caplog.at_level(logging.WARNING, logger="cc_server.microvm"):
         rebuilt = await again.template()
     assert any("changed on disk" in r.getMessage() for r in caplog.records)
