@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -44,10 +44,11 @@ def probe_result() -> ProbeResult:
 
 
 @pytest.fixture(scope="session")
-def other_user() -> OtherUser:
+def other_user() -> Iterator[OtherUser]:
     """An unprivileged host user (made with useradd under root) that can run the checkout."""
-    from other_user import check_reachable, ensure_user
+    from other_user import ensure_user, reachable, remove
 
-    user = ensure_user()
-    check_reachable(user)
-    return user
+    user = reachable(ensure_user())
+    yield user
+    if user.copy is not None:
+        remove(user.copy)

@@ -9,7 +9,7 @@ where that user cannot read (a pyenv build under /root).
 
 from __future__ import annotations
 
-import glob
+import dataclasses
 import os
 import pathlib
 import pwd
@@ -34,6 +34,10 @@ class OtherUser:
     uid: int
     gid: int
     home: pathlib.Path
+    pythonpath: str = ""
+    """Where this user imports cc-server and its packages from (`reachable()` sets it)."""
+    copy: pathlib.Path | None = None
+    """The copy `reachable()` made of them, if it had to: removed after the session."""
 
     def argv(self, *argv: str) -> list[str]:
         if os.geteuid() == self.uid:
@@ -47,12 +51,11 @@ class OtherUser:
         return self.python("-m", "cc_server.cli", *argv)
 
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        site = [p for p in sys.path if p.endswith("site-packages") and ".venv" in p]
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "HOME": str(self.home),
             "LANG": "C.UTF-8",
-            "PYTHONPATH": ":".join([SRC, *site]),
+            "PYTHONPATH": self.pythonpath or _default_pythonpath(),
             "PYTHONDONTWRITEBYTECODE": "1",
         }
         env.update(extra or {})
@@ -92,14 +95,47 @@ def ensure_user() -> OtherUser:
     return OtherUser(name=NAME, uid=entry.pw_uid, gid=entry.pw_gid, home=home)
 
 
-def check_reachable(user: OtherUser) -> None:
-    """Fail (never skip) when the user cannot run the checkout: a set-up problem to fix."""
-    probe = user.run([HOST_PYTHON, "-c", "import cc_server.cli, msgspec, pyseccomp"], cwd=user.home)
-    assert probe.returncode == 0, (
-        f"user {user.name} cannot import cc-server from {SRC} with {HOST_PYTHON} "
-        f"(site-packages {glob.glob(SRC + '/../.venv/lib/python*/site-packages')}): "
-        f"{probe.stderr}"
+def _site_packages() -> list[str]:
+    return [p for p in sys.path if p.endswith("site-packages") and ".venv" in p]
+
+
+def _default_pythonpath() -> str:
+    return ":".join([SRC, *_site_packages()])
+
+
+def _imports(user: OtherUser) -> subprocess.CompletedProcess[str]:
+    return user.run(
+        [HOST_PYTHON, "-c", "import cc_server.cli, msgspec, pyseccomp"], cwd=user.home
     )
+
+
+def reachable(user: OtherUser) -> OtherUser:
+    """The user with a PYTHONPATH it can read: the checkout's own, or, where the checkout lies
+    below a directory the user cannot search (a clone under /root), a world-readable copy of
+    the sources (with the built helpers) and the venv's packages in /tmp. Fails, never skips,
+    when neither imports."""
+    user = dataclasses.replace(user, pythonpath=_default_pythonpath())
+    if _imports(user).returncode == 0:
+        return user
+    copy = pathlib.Path(tempfile.mkdtemp(prefix="ccs-user-py-", dir="/tmp"))
+    os.chmod(copy, 0o755)
+    shutil.copytree(SRC, copy / "src", symlinks=True)
+    paths = [str(copy / "src")]
+    for i, site in enumerate(_site_packages()):
+        shutil.copytree(site, copy / f"site-{i}", symlinks=True)
+        paths.append(str(copy / f"site-{i}"))
+    for dirpath, dirs, files in os.walk(copy):
+        for name in dirs + files:
+            path = os.path.join(dirpath, name)
+            if not os.path.islink(path):
+                os.chmod(path, os.lstat(path).st_mode | 0o444 | (0o111 if name in dirs else 0))
+    user = dataclasses.replace(user, pythonpath=":".join(paths), copy=copy)
+    probe = _imports(user)
+    assert probe.returncode == 0, (
+        f"user {user.name} cannot import cc-server with {HOST_PYTHON}, from the checkout or a "
+        f"copy in {copy}: {probe.stderr}"
+    )
+    return user
 
 
 def remove(path: pathlib.Path) -> None:

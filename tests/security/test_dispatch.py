@@ -24,6 +24,7 @@ from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.env import EnvRefused
 from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind
+from cc_server.dispatch.worktrees import WorktreeStrategy
 from cc_server.policy import AgentCapabilities, Mode
 from cc_server.runtime.handle import SandboxHandle
 
@@ -173,7 +174,11 @@ async def test_the_registered_checkout_is_never_writable_from_a_run(
             "        print('REFUSED', exc.errno)\n"
         )
         attempt = await run.harness.run(["python3", "-c", code])
-        assert attempt.stdout.count("REFUSED") == 4 and "DONE" not in attempt.stdout, attempt
+        if wt.strategy is WorktreeStrategy.OVERLAY:
+            assert attempt.stdout.count("REFUSED") == 4 and "DONE" not in attempt.stdout, attempt
+        # Otherwise (a git worktree: what a root server gets) the checkout's .git is bound, so
+        # bwrap made the checkout's directory inside, in the sandbox's own /tmp: a write there
+        # lands in that tmpfs. What counts is the host, checked below.
         if mode is Mode.CHAT:  # the shell way too (other modes refuse redirections up front)
             await run.harness.run(f"echo pwned > {readme}; echo pwned > README.md")
         for tool, args in (("write", (str(readme), "pwned")),
@@ -205,7 +210,8 @@ async def test_the_acp_agents_own_process_sees_no_more_than_its_sandbox(
         ]))
         results: list[Any] = json.loads(session.client.updates[-1]["content"]["text"])
         assert "oserror" in results[0]["ok"] and "CC-AGENT-SIDE-SECRET" not in json.dumps(results)
-        assert "oserror" in results[1]["ok"]
+        if wt.strategy is WorktreeStrategy.OVERLAY:  # else it lands in the sandbox's /tmp
+            assert "oserror" in results[1]["ok"]
         assert results[2] == {"ok": len("agent edit\n")}
         assert "oserror" in results[3]["ok"]  # a new *.key is refused at create time
         assert (d.repo / "README.md").read_text() == "original readme\n"
@@ -218,7 +224,6 @@ async def test_a_git_worktree_run_reads_git_but_cannot_write_the_checkouts_git(
 ) -> None:
     from dispatch_kit import git, tree_digest
 
-    from cc_server.dispatch.worktrees import WorktreeStrategy
 
     async with open_dispatch(tmp_path, probe_result, strategy=WorktreeStrategy.GIT) as d:
         before = tree_digest(d.repo)

@@ -30,6 +30,7 @@ __all__ = [
     "STAGE_DIR",
     "IdentityCheck",
     "check_identity",
+    "sandbox_uids",
 ]
 
 # One uid and gid for every sandbox of a root server, owned by nothing on the host: above the
@@ -47,6 +48,13 @@ _NATIVE_DIR: Final = os.path.join(os.path.dirname(os.path.abspath(__file__)), "n
 _BUILD_HINT: Final = (
     "build it with scripts/bootstrap (needs gcc), or run the server as a non-root user"
 )
+
+
+def sandbox_uids() -> frozenset[int]:
+    """The host uids this server's sandboxed processes run as: its own, and the sandbox
+    identity's when it is root. What a uid check on a local socket or in /proc must accept."""
+    uid = os.geteuid()
+    return frozenset({uid, SANDBOX_UID} if uid == 0 else {uid})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

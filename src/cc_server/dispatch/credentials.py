@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from cc_server.backends import peer
+from cc_server.backends.identity import sandbox_uids
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import SandboxBindMount, SandboxSpec
 from cc_server.rundir import names_of_dead_owners
@@ -167,8 +168,8 @@ class _Listener:
         if hasattr(socket, "SO_PEERCRED"):
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             _, uid, _ = struct.unpack("3i", creds)
-            if uid != os.geteuid():
-                return  # only this user's processes (the directory is 0700 as well)
+            if uid not in sandbox_uids():
+                return  # only this user's sandboxes (the directory is 0700 as well)
         rule = self.peers
         if rule is None or not peer.admit(conn, rule, what=f"credential broker {self.path}"):
             return  # not the run's own sandbox: nothing is read, nothing answered

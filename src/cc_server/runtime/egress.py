@@ -19,6 +19,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
+from cc_server.backends.identity import sandbox_uids
 from cc_server.backends.peer import PeerRule, ThisProcess
 from cc_server.backends.plan import EgressBridge
 from cc_server.egress.driver import (
@@ -79,11 +80,12 @@ def kill_stale_sandboxes(base: str, names: Iterable[str], proc_root: str = "/pro
     killed: list[int] = []
     if not wanted:
         return killed
+    uids = sandbox_uids()
     for entry in os.listdir(proc_root):
         if not entry.isdigit() or int(entry) == os.getpid():
             continue
         try:
-            if os.stat(os.path.join(proc_root, entry)).st_uid != os.geteuid():
+            if os.stat(os.path.join(proc_root, entry)).st_uid not in uids:
                 continue
             with open(os.path.join(proc_root, entry, "cmdline"), "rb") as f:
                 argv = f.read().split(b"\0")
