@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import shlex
 import stat
 import subprocess
 import tarfile
@@ -302,3 +303,58 @@ def test_as_an_unprivileged_user_the_server_s_sandboxes_hold_too(
         server.terminate()
         server.wait(timeout=20)
         remove(home)
+
+
+# --- the create-rule supervisor is nobody's deputy ---------------------------------------------
+
+# Existing kernel objects opened with O_CREAT: the supervisor would open them for the task, with
+# the credentials of the sandbox's user-namespace owner (every capability in that namespace).
+DEPUTY_TARGETS = (
+    "/proc/1/mem",  # the launcher, PID 1: not dumpable, so the task itself cannot open it
+    "/proc/1/environ",
+    "/proc/1/maps",
+    "/proc/self/attr/current",
+    "/proc/sys/net/ipv4/ip_forward",
+    "/proc/sys/kernel/core_pattern",
+)
+DEPUTY_SCRIPT = (
+    "import os\n"
+    f"for p in {DEPUTY_TARGETS!r}:\n"
+    "    try:\n"
+    "        os.close(os.open(p, os.O_RDWR | os.O_CREAT)); print('OPENED', p)\n"
+    "    except OSError as exc:\n"
+    "        print('refused', p, exc.errno)\n"
+    "try:\n"
+    "    os.close(os.open('/dev/null', os.O_WRONLY | os.O_CREAT | os.O_TRUNC)); print('null ok')\n"
+    "except OSError as exc:\n"
+    "    print('null refused', exc.errno)\n"
+)
+
+
+async def test_the_create_rule_supervisor_opens_no_kernel_object_for_a_task(sb: Sandboxes) -> None:
+    from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, parse_spec
+
+    before = pathlib.Path("/proc/sys/kernel/core_pattern").read_bytes()
+    handle = sb.manager.launch(parse_spec(sb.spec()), deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
+    result = await sb.sh(handle, f"python3 -c {shlex.quote(DEPUTY_SCRIPT)}")
+    out = result.stdout.decode()
+    assert "OPENED" not in out, out
+    assert out.count("refused") == len(DEPUTY_TARGETS) and "null ok" in out, out
+    assert pathlib.Path("/proc/sys/kernel/core_pattern").read_bytes() == before
+    # /proc/1/mem would have been opened (the launcher is not dumpable to the task, but its
+    # namespace's owner may ptrace it): that refusal is the supervisor's, and reported.
+    assert any(v.target == "/proc/1/mem" for v in handle.violations), handle.violations
+
+
+def test_as_an_unprivileged_user_the_supervisor_opens_no_kernel_object(
+    other_user: OtherUser, user_dir: pathlib.Path
+) -> None:
+    done = other_user.run(
+        ["/usr/bin/python3", "-m", "cc_server.cli", "run", "--deny-create", "*.pem", "--bind",
+         str(user_dir), "--", "/usr/bin/python3", "-c", DEPUTY_SCRIPT],
+        cwd=user_dir, env={"CC_SERVER_DAEMON": "off"},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "OPENED" not in done.stdout, done.stdout
+    assert done.stdout.count("refused") == len(DEPUTY_TARGETS), done.stdout
+    assert "null ok" in done.stdout, done.stdout

@@ -973,6 +973,35 @@ static int is_task_root(struct req *q, int fd, bool *yes) {
     return 0;
 }
 
+/* Whether `fd` is an object of a kernel filesystem (procfs, sysfs, nsfs and their kin). The
+ * supervisor never hands one to a task: it opens with the credentials of the sandbox's user
+ * namespace owner, which the kernel grants every capability in that namespace (a non-dumpable
+ * PID 1's /proc/1/mem, the namespace's own sysctls), so such an open would give the task more
+ * reach than its own. The task opens them itself, without O_CREAT (which is never trapped). */
+#define DEPUTY_REFUSED "an object of procfs, sysfs or another kernel filesystem: opened with " \
+                       "O_CREAT, it would be opened with more privilege than the task has"
+static bool kernel_object(int fd) {
+    struct statfs sf;
+    if (fstatfs(fd, &sf) != 0)
+        return true;
+    switch ((unsigned long)sf.f_type) {
+    case PROC_SUPER_MAGIC:
+    case 0x62656572: /* SYSFS_MAGIC */
+    case 0x6e736673: /* NSFS_MAGIC */
+    case 0x73636673: /* SECURITYFS_MAGIC */
+    case 0x64626720: /* DEBUGFS_MAGIC */
+    case 0x74726163: /* TRACEFS_MAGIC */
+    case 0xcafe4a11: /* BPF_FS_MAGIC */
+    case 0x27e0eb: /* CGROUP_SUPER_MAGIC */
+    case 0x63677270: /* CGROUP2_SUPER_MAGIC */
+    case 0x42494e4d: /* BINFMTFS_MAGIC */
+    case 0x50494446: /* PID_FS_MAGIC */
+        return true;
+    default:
+        return false;
+    }
+}
+
 static bool is_procfs_root(int fd, bool *in_procfs) {
     struct statfs sf;
     struct stat st;
@@ -1518,6 +1547,11 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
         respond(s, q->n->id, 0, err);
         return true;
     }
+    if (kernel_object(fd)) {
+        close(fd);
+        refuse(q, path, name, DEPUTY_REFUSED);
+        return true;
+    }
     struct stat st;
     if ((flags & O_ACCMODE) == O_RDONLY && !(flags & O_NONBLOCK) &&
         (fstat(fd, &st) < 0 || S_ISFIFO(st.st_mode))) {
@@ -1622,11 +1656,18 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
             return;
         }
     }
-    res_close(&r);
     if (err) {
+        res_close(&r);
         respond(s, q->n->id, 0, err);
         return;
     }
+    if (!opath && kernel_object(fd)) {
+        close(fd);
+        refuse(q, path, r.kind == RES_NAME ? r.name : path, DEPUTY_REFUSED);
+        res_close(&r);
+        return;
+    }
+    res_close(&r);
     if (!(flags & O_NONBLOCK) && !(flags & O_EXCL) && !opath)
         fcntl(fd, F_SETFL, flags & SETFL_KEEP);
     respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, cloexec);
