@@ -248,13 +248,6 @@ async def test_a_nested_roots_parent_swapped_for_a_symlink_stops_the_next_launch
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="cc-identity opens each root with O_PATH|O_NOFOLLOW under RESOLVE_NO_SYMLINKS, which "
-    "returns a trailing symlink itself instead of failing: the symlink is staged at /dev/shm/<n> "
-    "and bubblewrap, as the sandbox identity, follows it, so the next sandbox of the session has "
-    "any host path that uid can reach (not idmapped) bound at the nested root, writable",
-)
 async def test_a_nested_root_swapped_for_a_symlink_between_commands_does_not_run(
     sb: Sandboxes, world_dir: pathlib.Path
 ) -> None:
@@ -279,13 +272,6 @@ async def test_a_nested_root_swapped_for_a_symlink_between_commands_does_not_run
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="the same trailing symlink, pointed at the host's /proc: the next sandbox has the "
-    "host's procfs bound, sees every host process and reads every command line on the host, "
-    "another session's included (their memory and environment stay closed: ptrace needs the "
-    "same user namespace)",
-)
 async def test_a_nested_root_swapped_for_a_symlink_cannot_reach_another_session(
     sb: Sandboxes,
 ) -> None:
@@ -314,15 +300,6 @@ async def test_a_nested_root_swapped_for_a_symlink_cannot_reach_another_session(
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="compile_policy resolves a runnerStateDirs (or bindMounts) entry with realpath and "
-    "binds the result writable: a symlink the agent left inside a writable bind makes the next "
-    "launch of the same spec stage a host directory of its choosing, which cc-identity idmaps to "
-    "its owner (root): the sandbox reads a root-only 0600 file and creates root-owned files "
-    "there (bubblewrap 0.8 dies on the spec's own --symlink only when the target is deeper than "
-    "the worktree; /root/.claude or /etc are not)",
-)
 async def test_a_symlink_left_in_a_bind_does_not_choose_the_next_launchs_nested_root(
     sb: Sandboxes,
 ) -> None:
@@ -364,13 +341,6 @@ async def test_a_symlink_left_in_a_bind_does_not_choose_the_next_launchs_nested_
 
 
 @needs_root
-@pytest.mark.xfail(
-    strict=True,
-    reason="cc-identity idmaps each staged root to whoever owns it at launch: a directory of "
-    "another owner (which the sandbox sees as nobody, read-only, and cannot move) comes to sit "
-    "at a nested root's path when the agent renames its own parent directory there, is staged "
-    "as that owner's, and the session's next sandbox writes it as that uid",
-)
 async def test_a_foreign_directory_renamed_onto_a_nested_root_stays_foreign(
     sb: Sandboxes,
 ) -> None:

@@ -123,6 +123,20 @@ def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) 
             )
         if "\n" in mount.host_path or "\x00" in mount.host_path:
             raise BadSpec(f"bind mount path {mount.host_path!r} contains a control character")
+        if mount.literal_path != mount.host_path:
+            # Resolved through a symlink. One inside a writable bind may have been left there by
+            # a command, to pick what the next launch binds (a root-only host directory).
+            for outer in policy.mounts:
+                if outer is not mount and outer.writable and (
+                    _under(mount.literal_path, outer.literal_path)
+                    or _under(mount.literal_path, outer.host_path)
+                ):
+                    raise EnforcementFailed(
+                        f"bind mount {mount.literal_path!r} resolves through a symlink inside "
+                        f"the writable bind {outer.literal_path!r} (to {mount.host_path!r}); a "
+                        "command there may have made it, so the launch is refused",
+                        fix="remove the symlink, or name the bind by its real path",
+                    )
 
 
 def _step_namespaces(*, new_session: bool, share_net: bool, identity: bool) -> list[str | FdArg]:

@@ -10,10 +10,12 @@
  * own (a slave of the host's, so it changes nothing the host sees):
  *
  *   1. DIR (an existing directory, /dev/shm) gets a fresh tmpfs;
- *   2. each SRC, the i-th --map (resolved with no symlink in it: the planner passes real paths,
- *      and one that has become a symlink since is refused), is cloned with every mount below it
- *      (open_tree) and idmapped (mount_setattr MOUNT_ATTR_IDMAP) so that its owner's uid and gid
- *      appear as U and G, then attached at DIR/i;
+ *   2. each SRC, the i-th --map (resolved with no symlink in it, its last component included:
+ *      the planner passes real paths, and one that has become a symlink since is refused; a
+ *      directory or a regular file), is cloned with every mount below it (open_tree) and
+ *      idmapped (mount_setattr MOUNT_ATTR_IDMAP) so that its owner's uid and gid appear as U
+ *      and G, then attached at DIR/i. A SRC below an earlier one is idmapped to that one's
+ *      owner: what a command can move to a nested root's path keeps its own owner;
  *   3. the tmpfs at DIR is made read-only.
  *
  * Through DIR/i, the sandbox (as U) reads and writes SRC as its owner, and what it creates there
@@ -148,25 +150,24 @@ static void stage_tmpfs(const char *dir) {
         die("mount a tmpfs at %s: %s", dir, strerror(errno));
 }
 
-static void stage_one(const char *dir, int index, const char *src, uid_t u, gid_t g) {
-    struct open_how how = {
-        .flags = O_PATH | O_CLOEXEC | O_NOFOLLOW,
-        .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
-    };
-    int fd = (int)syscall(SYS_openat2, AT_FDCWD, src, &how, sizeof how);
-    if (fd < 0)
-        die("bind %s: %s (a path of real directories, no symlink, is needed)", src,
-            strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) < 0)
-        die("stat %s: %s", src, strerror(errno));
+/* Whether `path` is `root` or below it. */
+static int under(const char *path, const char *root) {
+    size_t n = strlen(root);
+    while (n > 1 && root[n - 1] == '/')
+        n--;
+    return strncmp(path, root, n) == 0 && (path[n] == '\0' || path[n] == '/');
+}
+
+/* Stage `src` idmapped so that `owner_uid`:`owner_gid` appear as U:G. */
+static void stage_one(const char *dir, int index, const char *src, const struct stat *st,
+                      int fd, uid_t owner_uid, gid_t owner_gid, uid_t u, gid_t g) {
     int tree = (int)syscall(SYS_open_tree, fd, "",
                             AT_EMPTY_PATH | OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
     if (tree < 0)
         die("clone the mounts at %s: %s", src, strerror(errno));
     struct mount_attr attr = {
         .attr_set = MOUNT_ATTR_IDMAP,
-        .userns_fd = (unsigned long long)userns_for(st.st_uid, st.st_gid, u, g),
+        .userns_fd = (unsigned long long)userns_for(owner_uid, owner_gid, u, g),
     };
     if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) <
         0)
@@ -175,7 +176,7 @@ static void stage_one(const char *dir, int index, const char *src, uid_t u, gid_
             src, strerror(errno));
     char at[4096];
     snprintf(at, sizeof at, "%s/%d", dir, index);
-    if (S_ISDIR(st.st_mode)) {
+    if (S_ISDIR(st->st_mode)) {
         if (mkdir(at, 0755) < 0)
             die("mkdir %s: %s", at, strerror(errno));
     } else {
@@ -187,7 +188,47 @@ static void stage_one(const char *dir, int index, const char *src, uid_t u, gid_
     if (syscall(SYS_move_mount, tree, "", AT_FDCWD, at, MOVE_MOUNT_F_EMPTY_PATH) < 0)
         die("attach %s at %s: %s", src, at, strerror(errno));
     close(tree);
-    close(fd);
+}
+
+/* Open a root to stage: no symlink anywhere in its path, the last component included (a
+ * command may have left one where a nested bind's root was), and a directory or a file. */
+static int open_root(const char *src, struct stat *st) {
+    struct open_how how = {
+        .flags = O_PATH | O_CLOEXEC | O_NOFOLLOW,
+        .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS,
+    };
+    int fd = (int)syscall(SYS_openat2, AT_FDCWD, src, &how, sizeof how);
+    if (fd < 0)
+        die("bind %s: %s (a path of real directories, no symlink, is needed)", src,
+            strerror(errno));
+    if (fstat(fd, st) < 0)
+        die("stat %s: %s", src, strerror(errno));
+    if (!S_ISDIR(st->st_mode) && !S_ISREG(st->st_mode))
+        die("bind %s is not a directory or a regular file (a symlink is never followed)", src);
+    return fd;
+}
+
+/* Stage every root, shallowest first (the planner's order). A root below an earlier one takes
+ * that one's owner for its idmap, not its own: a command can put another owner's directory at a
+ * nested root's path between two launches, and it must stay that owner's there. */
+static void stage_all(const char *dir, const char **maps, int nmaps, uid_t u, gid_t g) {
+    struct stat sts[MAX_MAPS];
+    for (int m = 0; m < nmaps; m++) {
+        int fd = open_root(maps[m], &sts[m]);
+        uid_t ou = sts[m].st_uid;
+        gid_t og = sts[m].st_gid;
+        size_t best = 0;
+        for (int e = 0; e < m; e++) {
+            size_t len = strlen(maps[e]);
+            if (len > best && strcmp(maps[e], maps[m]) != 0 && under(maps[m], maps[e])) {
+                best = len;
+                ou = sts[e].st_uid;
+                og = sts[e].st_gid;
+            }
+        }
+        stage_one(dir, m, maps[m], &sts[m], fd, ou, og, u, g);
+        close(fd);
+    }
 }
 
 static void seal_stage(const char *dir) {
@@ -224,7 +265,8 @@ static int selftest(uid_t u, gid_t g) {
         die("fork: %s", strerror(errno));
     if (pid == 0) {
         stage_tmpfs(stage);
-        stage_one(stage, 0, src, u, g);
+        const char *one[] = {src};
+        stage_all(stage, one, 1, u, g);
         seal_stage(stage);
         become(u, g);
         char file[96];
@@ -285,8 +327,7 @@ int main(int argc, char **argv) {
     if (u == 0 || g == 0 || stage == NULL || i >= argc || argv[i][0] != '/')
         die("usage: cc-identity --uid U --gid G --stage DIR [--map SRC]... -- /PROGRAM [ARG]...");
     stage_tmpfs(stage);
-    for (int m = 0; m < nmaps; m++)
-        stage_one(stage, m, maps[m], u, g);
+    stage_all(stage, maps, nmaps, u, g);
     seal_stage(stage);
     for (int o = 0; o < nowners; o++)
         close(owners[o].ns);
