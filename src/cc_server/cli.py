@@ -25,7 +25,7 @@ from cc_server.policy import (
     compile_policy,
     parse_spec,
 )
-from cc_server.runtime.select import choose_backend, planner_for
+from cc_server.runtime.select import choose_backend, planner_for, protected_patterns_for
 
 if TYPE_CHECKING:
     from cc_server.runtime.handle import SandboxHandle
@@ -242,7 +242,11 @@ def _plan(
     host = HostFacts.current() if host is None else host
     backend = _backend(args, result)
     spec = build_spec(args)
-    policy = compile_policy(spec, host, deny_create_globs=args.deny_create)
+    policy = compile_policy(
+        spec, host, deny_create_globs=args.deny_create,
+        protected_patterns=protected_patterns_for(result)
+        if backend is SandboxBackend.NATIVE else (),
+    )  # fmt: skip
     bridge = None
     if backend is SandboxBackend.NATIVE and result.mechanism in ("bubblewrap", "seatbelt"):
         from cc_server.egress.resolver import allowlist_for  # lazy import: name tables

@@ -215,11 +215,12 @@ def world_dir() -> Iterator[pathlib.Path]:
 async def _after_swap(
     sb: Sandboxes, handle: SandboxHandle, work: pathlib.Path, swap: str, probe: str
 ) -> str:
-    """Run `swap` in the worktree, then `probe` in the session's next sandbox (`.git/hooks`
-    makes its plan differ, so it is a new one, staged again). The probe's output, or why the
-    launch was refused."""
-    done = await _sh(sb, handle, f"cd {work} && {swap} && mkdir -p .git/hooks && echo swapped")
+    """Run `swap` in the worktree, then `probe` in the session's next sandbox (`.git/hooks`,
+    made by the host since a command may not make a `.git`, makes its plan differ, so it is a
+    new one, staged again). The probe's output, or why the launch was refused."""
+    done = await _sh(sb, handle, f"cd {work} && {swap} && echo swapped")
     assert done.stdout.decode().endswith("swapped\n"), output(done)
+    (work / ".git" / "hooks").mkdir(parents=True, exist_ok=True)
     try:
         result = await run_collect(handle, ["/bin/sh", "-c", probe], timeout_s=RUN_TIMEOUT_S)
     except CcServerError as exc:  # a refused launch is the pass
@@ -368,11 +369,11 @@ async def test_a_foreign_directory_renamed_onto_a_nested_root_stays_foreign(
         "create_foreign": "fail",
         "move_foreign": "fail",
     }, output(control)
-    # .git/hooks makes the next command's plan differ, so it gets a new sandbox (cc-identity
-    # stages the roots again).
-    swap = await _sh(sb, handle, f"cd {sb.worktree} && mv a a.old && mv x a && "
-                                 "mkdir -p .git/hooks && echo swapped")  # fmt: skip
+    # .git/hooks (made by the host: a command may not make a `.git`) makes the next command's
+    # plan differ, so it gets a new sandbox (cc-identity stages the roots again).
+    swap = await _sh(sb, handle, f"cd {sb.worktree} && mv a a.old && mv x a && echo swapped")
     assert swap.stdout.decode().endswith("swapped\n"), output(swap)
+    (sb.worktree / ".git" / "hooks").mkdir(parents=True, exist_ok=True)
     result = await _sh(sb, handle, attempts(
         write_foreign=f"echo x >> {state}/theirs",
         create_foreign=f"echo x > {state}/new",

@@ -123,10 +123,13 @@ async def test_a_protected_path_one_command_creates_is_read_only_for_the_next(
     sb: Sandboxes,
 ) -> None:
     # `.git/hooks` is denied for writing in every writable root, but only a path that exists
-    # when a sandbox is planned can be mounted read-only. The next command's plan sees it.
+    # when a sandbox is planned can be mounted read-only. The next command's plan sees it. A
+    # command cannot make a new `.git` any more (the supervisor's path rules refuse it: see
+    # test_write_policy.py), so it appears here as the host would make it, between commands.
     handle = sb.launch()
     created = await sb.sh(handle, "mkdir -p .git/hooks && echo created")
-    assert created.stdout == b"created\n", output(created)
+    assert created.stdout == b"", output(created)  # refused inside
+    (sb.worktree / ".git" / "hooks").mkdir(parents=True)
     sandbox = handle.details["sandboxPid"]
     result = await sb.sh(
         handle,

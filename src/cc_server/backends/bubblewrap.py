@@ -105,9 +105,10 @@ _Word = str | FdArg | InheritedFd
 
 def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) -> None:
     if policy.requires_create_rules and create_rules is None:
+        what = ", ".join((*policy.deny_create_globs, *policy.protected_patterns[:3], "..."))
         raise BackendUnavailable(
-            "this policy forbids creating files by name pattern "
-            f"({', '.join(policy.deny_create_globs)}); bubblewrap alone can shadow existing paths "
+            f"this policy forbids creating or writing files by name or path pattern ({what}); "
+            "bubblewrap alone can shadow existing paths "
             "but cannot refuse a new name inside a writable bind, and this host has no "
             "create-time filename rules (see `cc-server probe`), so the run is refused rather "
             "than started with a weaker policy",
@@ -386,7 +387,12 @@ def _step_launcher(
         sock = InheritedFd(name="create-rules.sock")
         bind = ["--as-pid-1", *bind]
         wrapped += ["--filter", FdArg(name="create-rules.bpf", data=bpf), "--socket", sock]
-        rules = CreateRules(globs=policy.deny_create_globs, socket=sock, library=tools.library)
+        roots = {m.host_path: None for m in policy.mounts if m.writable}
+        rules = CreateRules(
+            globs=policy.deny_create_globs, socket=sock, library=tools.library,
+            patterns=policy.protected_patterns, roots=tuple(roots),
+            exempt=policy.exempt_roots, absolute=policy.protected_absolute,
+        )  # fmt: skip
     if serve is not None:
         pid_1 = [] if rules is not None else ["--as-pid-1"]  # with rules it is there already
         return [*pid_1, *bind], (*wrapped, "--serve", serve), rules, handoff
@@ -573,7 +579,13 @@ def plan_bubblewrap(
         )
         + (
             (f"create-time names refused: {', '.join(rules.globs)} (seccomp supervisor)",)
-            if rules is not None
+            if rules is not None and rules.globs
+            else ()
+        )
+        + (
+            (f"protected at any depth of a writable bind: {', '.join(rules.patterns)} "
+             "(seccomp supervisor)",)
+            if rules is not None and rules.patterns
             else ()
         )
         + (

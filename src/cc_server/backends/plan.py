@@ -91,6 +91,11 @@ class CreateRules:
     globs: tuple[str, ...]
     socket: InheritedFd
     library: str
+    # The write policy's path rules (backends/supervisor.py PathRules), as plain tuples.
+    patterns: tuple[str, ...] = ()
+    roots: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()
+    absolute: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

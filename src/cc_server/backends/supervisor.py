@@ -62,7 +62,7 @@ from cc_server.errors import EnforcementFailed
 if TYPE_CHECKING:
     import asyncio
 
-    from cc_server.backends.plan import SandboxIdentity
+    from cc_server.backends.plan import CreateRules, SandboxIdentity
 
 __all__ = [
     "ABI_VERSION",
@@ -75,18 +75,20 @@ __all__ = [
     "CreateRefused",
     "CreateRuleSupervisor",
     "CreateRulesCheck",
+    "PathRules",
     "Report",
     "SupervisorFault",
     "SupervisorStats",
     "check_create_rules",
     "notify_filter_bpf",
+    "path_rules",
     "receive_listener",
     "stop_supervisor",
     "watch_reports",
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 6  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 7  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -350,6 +352,30 @@ def _parse(buffer: bytearray) -> list[Report]:
     return reports
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PathRules:
+    """The write policy's path rules, decided by the supervisor on the path in the task's view
+    (the pinned directory's own path, never the string the task passed).
+
+    `patterns` ("X", or "X/**" for X and everything below it; '*' stays in one component) are
+    matched on the trailing components of a path below the innermost of `roots` that holds it,
+    unless one of `exempt` (a runner's state directory) holds it; `absolute` paths are refused
+    wherever they are, with everything below them.
+    """
+
+    patterns: tuple[str, ...] = ()
+    roots: tuple[str, ...] = ()
+    exempt: tuple[str, ...] = ()
+    absolute: tuple[str, ...] = ()
+
+
+def path_rules(rules: CreateRules) -> PathRules:
+    """A plan's path rules, for `CreateRuleSupervisor.start`."""
+    return PathRules(
+        patterns=rules.patterns, roots=rules.roots, exempt=rules.exempt, absolute=rules.absolute
+    )
+
+
 class CreateRuleSupervisor:
     """The supervisor of one sandbox (a session's, or one command's own): native worker threads
     answering its listener.
@@ -377,18 +403,27 @@ class CreateRuleSupervisor:
         sync_wake: bool = True,
         reply_here: bool = True,
         identity: SandboxIdentity | None = None,
+        paths: PathRules | None = None,
     ) -> CreateRuleSupervisor:
         """Supervise `listener` (taken over, closed on failure too) for names matching `globs`.
 
         `sync_wake` asks the kernel to wake the task and the workers on each other's CPU;
         `reply_here` keeps the task on the worker's CPU while an opened file is handed to it.
+        `paths` are the write policy's path rules (`PathRules`), decided on the path actually
+        created, renamed or linked, below the writable roots.
         `identity` is the sandbox's host identity when it is not the server's own (a root
         server's, `LaunchPlan.identity`): the workers take on its uid and gid.
 
         Raises:
             EnforcementFailed: the library could not be loaded or its workers not started.
         """
-        blob = b"".join(os.fsencode(g) + b"\0" for g in globs)
+        entries = [("g", g) for g in globs]
+        if paths is not None:
+            entries += [("p", p) for p in paths.patterns]
+            entries += [("r", r) for r in paths.roots]
+            entries += [("x", x) for x in paths.exempt]
+            entries += [("a", a) for a in paths.absolute]
+        blob = b"".join(os.fsencode(f"{kind}:{text}") + b"\0" for kind, text in entries)
         try:
             lib = _library(library)
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)

@@ -5,7 +5,7 @@ Pure: nothing here starts a process or writes a file.
 
 from cc_server.policy.compiler import CompiledPolicy, Mount, PathRule, compile_policy, spellings
 from cc_server.policy.host import HostFacts, Platform, detect_platform
-from cc_server.policy.paths import STANDARD_DENY_CREATE_GLOBS
+from cc_server.policy.paths import PROTECTED_PATTERN_NAMES, STANDARD_DENY_CREATE_GLOBS
 from cc_server.policy.spec import (
     AgentCapabilities,
     Mode,
@@ -16,6 +16,7 @@ from cc_server.policy.spec import (
 )
 
 __all__ = [
+    "PROTECTED_PATTERN_NAMES",
     "STANDARD_DENY_CREATE_GLOBS",
     "AgentCapabilities",
     "CompiledPolicy",

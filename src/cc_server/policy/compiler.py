@@ -68,6 +68,17 @@ class CompiledPolicy:
     egress_allowlist: tuple[str, ...]
     capabilities: AgentCapabilities
     exec_grant_roots: tuple[str, ...]
+    protected_patterns: tuple[str, ...] = ()
+    """Path patterns refused at any depth of a writable bind when the write happens (the
+    create-rule supervisor decides them; see policy/paths.py PROTECTED_PATTERNS)."""
+    protected_absolute: tuple[str, ...] = ()
+    """protectedPaths, as spelled and as resolved, refused with everything below them whether
+    they exist or not (by the supervisor, when it runs)."""
+
+    @property
+    def exempt_roots(self) -> tuple[str, ...]:
+        """Runner state directories: the path patterns do not apply below them."""
+        return tuple(m.host_path for m in self.mounts if m.reason == "runner state directory")
 
     @property
     def writable_roots(self) -> tuple[str, ...]:
@@ -76,8 +87,9 @@ class CompiledPolicy:
 
     @property
     def requires_create_rules(self) -> bool:
-        """True when the policy forbids creating names by glob, which needs a capable backend."""
-        return bool(self.deny_create_globs)
+        """True when the policy forbids creating names by glob or writing protected path
+        patterns, which needs a capable backend (the create-rule supervisor)."""
+        return bool(self.deny_create_globs or self.protected_patterns)
 
 
 def _is_glob(path: str) -> bool:
@@ -120,16 +132,37 @@ def _check_glob(glob: str) -> str:
     return glob
 
 
+def _check_pattern(pattern: str) -> str:
+    parts = pattern.split("/")
+    if (
+        not pattern
+        or pattern.startswith("/")
+        or "\x00" in pattern
+        or len(pattern) > MAX_GLOB_LENGTH
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise BadSpec(
+            f"protected path pattern {pattern!r} must be relative components without '.' or "
+            "'..', optionally ending in '/**'",
+            fix="write it as '.git/config' or '.vscode/**'",
+        )
+    return pattern
+
+
 def compile_policy(
     spec: SandboxSpec,
     host: HostFacts,
     *,
     deny_create_globs: Iterable[str] = (),
+    protected_patterns: Iterable[str] = (),
 ) -> CompiledPolicy:
     """Compile a spec against the host's facts.
 
     `deny_create_globs` are create-time filename rules (the standard dispatch policy passes
     `.env`, `*.key`, `*.pem`); the policy carries them for backends that can enforce them.
+    `protected_patterns` are the write policy's path patterns (the runtime passes
+    `PROTECTED_PATTERN_NAMES` for every native launch); with them, `protectedPaths` are enforced
+    by the supervisor too, whether they exist or not.
 
     Raises:
         BadSpec: a bind mount's host path does not exist, or a glob is malformed.
@@ -188,6 +221,10 @@ def compile_policy(
     deny_write = _rules(protected + mandatory, realpath)
 
     globs = tuple(dict.fromkeys(_check_glob(g) for g in deny_create_globs))
+    patterns = tuple(dict.fromkeys(_check_pattern(p) for p in protected_patterns))
+    absolute = tuple(
+        dict.fromkeys(s for p in spec.protected_paths for s in spellings(p, realpath))
+    )
 
     return CompiledPolicy(
         session_id=spec.session_id,
@@ -201,4 +238,6 @@ def compile_policy(
         egress_allowlist=spec.egress_allowlist if spec.network_allowed else (),
         capabilities=spec.capabilities,
         exec_grant_roots=spec.exec_grant_roots,
+        protected_patterns=patterns,
+        protected_absolute=absolute if patterns else (),
     )

@@ -10,6 +10,8 @@ from typing import Final
 
 __all__ = [
     "HOME_MANDATORY_DENY_WRITE",
+    "PROTECTED_PATTERNS",
+    "PROTECTED_PATTERN_NAMES",
     "ROOT_MANDATORY_DENY_WRITE",
     "SECRET_DENY_READ",
     "STANDARD_DENY_CREATE_GLOBS",
@@ -103,6 +105,31 @@ HOME_MANDATORY_DENY_WRITE: Final[tuple[tuple[str, str], ...]] = (
     (".claude", "Claude config directory: hooks, commands, credentials"),
     (".claude.json", "Claude config: MCP servers and project settings"),
 )
+
+# The write policy the create-rule supervisor enforces when the write happens, at any depth of
+# every writable bind (the read-only binds above cover only what exists at launch, at each bind
+# root): the names above as path patterns matched on the components below a writable root
+# ("X/**" is X and everything below it), plus a new `.git` (a repository or a worktree's pointer,
+# whose config and hooks host git would honour) and the credential and login directories a
+# command could plant (`~/.ssh/authorized_keys` in a bound home). Runner state directories are
+# exempt.
+PROTECTED_PATTERNS: Final[tuple[tuple[str, str], ...]] = (
+    *(
+        (f"{rel}/**" if rel in {".git/hooks", ".git/modules", ".vscode", ".idea"} else rel, why)
+        for rel, why in ROOT_MANDATORY_DENY_WRITE
+        if not rel.startswith(".claude/")
+    ),
+    (".git", "a new repository or worktree pointer: its config and hooks run on the host"),
+    (".claude/**", "Claude config: hooks, commands, agents and settings"),
+    (".claude.json", "Claude config: MCP servers and project settings"),
+    (".ssh/**", "SSH keys and authorized_keys: a login on the host"),
+    (".aws/**", "cloud credentials and config (credential_process runs code)"),
+    (".gnupg/**", "GnuPG keys and agent config"),
+    (".kube/**", "Kubernetes credentials (exec plugins run code)"),
+    (".docker/**", "registry credentials (credential helpers run code)"),
+)
+
+PROTECTED_PATTERN_NAMES: Final[tuple[str, ...]] = tuple(p for p, _ in PROTECTED_PATTERNS)
 
 # The standard dispatch policy's create-time rules: no new env or key files inside writable binds.
 STANDARD_DENY_CREATE_GLOBS: Final[tuple[str, ...]] = (".env", "*.key", "*.pem")

@@ -27,6 +27,7 @@ from cc_server.backends.supervisor import (
     CreateRefused,
     CreateRuleSupervisor,
     Report,
+    path_rules,
     receive_listener,
     stop_supervisor,
     watch_reports,
@@ -380,6 +381,7 @@ class Execution:
                 self._create_rules = CreateRuleSupervisor.start(
                     listener, plan.create_rules.globs, library=plan.create_rules.library,
                     identity=plan.identity,
+                    paths=path_rules(plan.create_rules),
                 )
         except BaseException:
             self._signal_group()

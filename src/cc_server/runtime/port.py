@@ -35,6 +35,7 @@ from cc_server.runtime.select import (
     choose_backend,
     microvm_unavailable,
     planner_for,
+    protected_patterns_for,
     sandbox_identity,
 )
 
@@ -74,8 +75,11 @@ def _launch(
     egress_base: str | None = None,
     egress_resolver: Resolver | None = None,
     mechanism: str | None = None,
+    protected_patterns: tuple[str, ...] = (),
 ) -> SandboxHandle:
-    policy = compile_policy(spec, host, deny_create_globs=deny_create_globs)
+    policy = compile_policy(
+        spec, host, deny_create_globs=deny_create_globs, protected_patterns=protected_patterns
+    )
     allowlist = allowlist_for(spec) if egress_base is not None else None
     handle = SandboxHandle(
         session_id=spec.session_id, backend=backend, policy=policy, planner=planner
@@ -188,6 +192,7 @@ class NativeSandboxAdapter:
             base,
             self.egress_resolver,
             mechanism,
+            protected_patterns_for(self.probe_result),
         )
 
 

@@ -27,13 +27,14 @@ from cc_server.backends.plan import Planner, SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.errors import BackendUnavailable
-from cc_server.policy import HostFacts, Platform, SandboxBackend
+from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, SandboxBackend
 
 __all__ = [
     "MicroVMVerdict",
     "choose_backend",
     "microvm_unavailable",
     "planner_for",
+    "protected_patterns_for",
     "sandbox_identity",
 ]
 
@@ -116,6 +117,16 @@ def _create_rule_tools(probe_result: ProbeResult) -> CreateRuleTools | None:
     if not probe_result.create_rules or launcher is None or library is None:
         return None
     return CreateRuleTools(launcher=launcher, library=library)
+
+
+def protected_patterns_for(probe_result: ProbeResult) -> tuple[str, ...]:
+    """The write policy's path patterns a native launch gets by default: where bubblewrap has
+    the create-rule supervisor, it enforces them at any depth of a writable bind. A host
+    without the supervisor keeps the launch-time read-only binds only (`cc-server probe` says
+    why; docs/threat-model.md); other mechanisms have only their launch-time rules."""
+    if probe_result.mechanism == "bubblewrap" and probe_result.create_rules:
+        return PROTECTED_PATTERN_NAMES
+    return ()
 
 
 def sandbox_identity(probe_result: ProbeResult) -> SandboxIdentity | None:

@@ -42,6 +42,7 @@ from cc_server.backends.supervisor import (
     CreateRefused,
     CreateRuleSupervisor,
     Report,
+    path_rules,
     receive_listener,
     stop_supervisor,
 )
@@ -249,6 +250,7 @@ class SessionSandbox:
                     sandbox._rules = CreateRuleSupervisor.start(
                         listener, plan.create_rules.globs, library=plan.create_rules.library,
                         identity=plan.identity,
+                        paths=path_rules(plan.create_rules),
                     )
                     asyncio.get_running_loop().add_reader(
                         sandbox._rules.report_fd, sandbox._on_reports

@@ -95,7 +95,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CCS_ABI_VERSION 6
+#define CCS_ABI_VERSION 7
 
 #ifndef SECCOMP_ADDFD_FLAG_SEND
 #define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
@@ -164,6 +164,19 @@ struct ccs {
     char **globs;
     struct glob_form *forms; /* one per glob: how glob_match may test it without fnmatch */
     int nglobs;
+    /* Path rules (see path_refused): patterns matched below the scope roots, the exempt roots
+     * inside them, and absolute paths refused wherever they are. All point into glob_blob. */
+    char **pats;
+    bool *pat_tree; /* X followed by slash-star-star: X and all below it; else exact */
+    const char **pat_last; /* an exact pattern's last component: a cheap first test */
+    char **pat_first;      /* a tree pattern's first component, when it is a literal */
+    int npats;
+    char **roots;
+    int nroots;
+    char **exempts;
+    int nexempts;
+    char **absolutes;
+    int nabsolutes;
     uid_t uid;
     gid_t gid;
     bool switch_id; /* workers take on uid and gid (a root server's sandbox identity) */
@@ -608,6 +621,99 @@ static bool glob_match(struct ccs *s, const char *name, const char **which) {
         }
     }
     return false;
+}
+
+static bool has_path_rules(const struct ccs *s) { return s->npats > 0 || s->nabsolutes > 0; }
+
+/* `path` is `root` or below it. */
+static bool path_under(const char *path, const char *root) {
+    size_t n = strlen(root);
+    while (n > 1 && root[n - 1] == '/')
+        n--;
+    if (n == 1 && root[0] == '/')
+        return true;
+    return strncmp(path, root, n) == 0 && (path[n] == '\0' || path[n] == '/');
+}
+
+static bool pattern_hits(const struct ccs *s, const char *rel, const char *name,
+                         const char **which) {
+    for (int i = 0; i < s->npats; i++) {
+        if (s->pat_last[i] && fnmatch(s->pat_last[i], name, FNM_CASEFOLD) != 0)
+            continue; /* an exact pattern must end in this name */
+        if (s->pat_first[i] && !strcasestr(rel, s->pat_first[i]))
+            continue; /* a tree pattern's first component must be in the path */
+        int flags = FNM_PATHNAME | FNM_CASEFOLD | (s->pat_tree[i] ? FNM_LEADING_DIR : 0);
+        for (const char *at = rel; at; at = strchr(at, '/')) {
+            if (*at == '/')
+                at++;
+            if (fnmatch(s->pats[i], at, flags) == 0) {
+                *which = s->pats[i];
+                return true;
+            }
+        }
+    }
+    return false;
+}
+
+/* Whether the path rules refuse `full` (an absolute path in the task's view): an absolute
+ * path at or below it, else a pattern matching the components below the innermost scope root
+ * that holds it, unless an exempt root (a runner's own state directory) holds it. */
+static bool full_path_refused(const struct ccs *s, const char *full, const char *name,
+                              const char **which) {
+    for (int i = 0; i < s->nabsolutes; i++) {
+        if (path_under(full, s->absolutes[i])) {
+            *which = s->absolutes[i];
+            return true;
+        }
+    }
+    if (s->npats == 0)
+        return false;
+    const char *root = NULL;
+    size_t best = 0;
+    for (int i = 0; i < s->nroots; i++) {
+        size_t n = strlen(s->roots[i]);
+        if (path_under(full, s->roots[i]) && (root == NULL || n > best)) {
+            root = s->roots[i];
+            best = n;
+        }
+    }
+    if (root == NULL)
+        return false;
+    for (int i = 0; i < s->nexempts; i++)
+        if (path_under(full, s->exempts[i]))
+            return false;
+    const char *rel = full + best;
+    while (*rel == '/')
+        rel++;
+    return *rel != '\0' && pattern_hits(s, rel, name, which);
+}
+
+/* The path rules for `name` in the pinned directory `dir_fd`: its path in the task's view is the
+ * kernel's own (the directory fd's link), never the string the task passed. A directory whose
+ * path cannot be read is refused. */
+#define PATH_UNKNOWN "(the directory's path could not be read)"
+static bool path_refused(const struct ccs *s, int dir_fd, const char *name, const char **which) {
+    if (!has_path_rules(s))
+        return false;
+    char link[64], full[PATH_MAX + NAME_MAX + 2];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", dir_fd);
+    ssize_t n = readlink(link, full, PATH_MAX);
+    if (n <= 0 || n >= PATH_MAX || full[0] != '/') {
+        *which = PATH_UNKNOWN;
+        return true;
+    }
+    full[n] = '\0';
+    if (n > 10 && strcmp(full + n - 10, " (deleted)") == 0) {
+        *which = PATH_UNKNOWN;
+        return true;
+    }
+    if (name[0]) {
+        if (n > 1)
+            full[n++] = '/';
+        snprintf(full + n, sizeof full - (size_t)n, "%s", name);
+    }
+    const char *base = strrchr(full, '/');
+    return full_path_refused(s, full, base ? base + 1 : full, which);
 }
 
 /* --- reading the task ---------------------------------------------------------------------- */
@@ -1514,8 +1620,8 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     const char *name = slash ? slash + 1 : path;
     const char *glob;
     if (strlen(name) > NAME_MAX || strcmp(name, ".") == 0 || strcmp(name, "..") == 0 ||
-        glob_match(s, name, &glob))
-        return false;
+        glob_match(s, name, &glob) || has_path_rules(s))
+        return false; /* the walk decides (a path rule needs the pinned directory) */
     int start;
     bool owned;
     int err = beneath_start(q, dirfd, path, &start, &owned);
@@ -1603,6 +1709,10 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
     } else if (r.kind == RES_OBJECT) {
         if (flags & O_EXCL) {
             err = EEXIST;
+        } else if (path_refused(s, r.obj_fd, "", &glob)) {
+            refuse(q, path, path, glob); /* an existing protected object, through a link */
+            res_close(&r);
+            return;
         } else {
             struct stat st;
             if (fstat(r.obj_fd, &st) == 0 && S_ISFIFO(st.st_mode)) {
@@ -1621,6 +1731,11 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
     } else {
         /* A matching name may be opened only if it exists: O_CREAT is dropped, so this open
          * can never create it, whatever happens to the directory meanwhile. */
+        if (path_refused(s, r.dir_fd, r.name, &glob)) {
+            refuse(q, path, r.name, glob); /* protected: neither created nor opened */
+            res_close(&r);
+            return;
+        }
         bool matches = glob_match(s, r.name, &glob);
         if (matches && (flags & O_EXCL)) {
             refuse(q, path, r.name, glob);
@@ -1682,7 +1797,7 @@ static int name_for_create(struct req *q, const char *path, struct resolved *r, 
     if (r->kind == RES_OBJECT)
         return EEXIST;
     const char *glob;
-    if (glob_match(q->s, r->name, &glob)) {
+    if (glob_match(q->s, r->name, &glob) || path_refused(q->s, r->dir_fd, r->name, &glob)) {
         refuse(q, path, r->name, glob);
         *refused = true;
         return 0;
@@ -1832,6 +1947,18 @@ static void do_link(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd
         respond(s, q->n->id, 0, err);
 }
 
+/* Whether `name` in `dir_fd` is a mount point in the task's view (the pinned directory is in
+ * the task's mount namespace, so the lookup crosses its mounts): the kernel refuses a rename of
+ * one with EBUSY for the task, and the supervisor, whose own namespace lacks those mounts, must
+ * answer the same (the read-only binds pin protected paths and their parents that way). */
+static bool is_mount_point(int dir_fd, const char *name) {
+    struct statx stx;
+    if (statx(dir_fd, name, AT_SYMLINK_NOFOLLOW | AT_NO_AUTOMOUNT, STATX_TYPE, &stx) != 0)
+        return false;
+    return (stx.stx_attributes_mask & STATX_ATTR_MOUNT_ROOT) &&
+           (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT);
+}
+
 static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
                       uint64_t new_addr, unsigned flags) {
     struct ccs *s = q->s;
@@ -1857,7 +1984,23 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
             res_close(&rn);
             return;
         }
-        if (ro.trailing_slash || rn.trailing_slash) { /* both must then be directories */
+        /* A protected path may be neither the new name nor the old one (moved away, a
+         * protected path could be rebuilt around its rule). */
+        if (path_refused(s, rn.dir_fd, rn.name, &glob)) {
+            refuse(q, newp, rn.name, glob);
+            res_close(&ro);
+            res_close(&rn);
+            return;
+        }
+        if (path_refused(s, ro.dir_fd, ro.name, &glob)) {
+            refuse(q, oldp, ro.name, glob);
+            res_close(&ro);
+            res_close(&rn);
+            return;
+        }
+        if (is_mount_point(ro.dir_fd, ro.name) || is_mount_point(rn.dir_fd, rn.name))
+            err = EBUSY;
+        if (!err && (ro.trailing_slash || rn.trailing_slash)) { /* both must be directories */
             struct stat st;
             if (fstatat(ro.dir_fd, ro.name, &st, AT_SYMLINK_NOFOLLOW) < 0)
                 err = errno;
@@ -2300,6 +2443,16 @@ static void destroy(struct ccs *s) {
     pthread_cond_destroy(&s->crowd_cond);
     free(s->globs);
     free(s->forms);
+    free(s->pats);
+    free(s->pat_tree);
+    free(s->pat_last);
+    if (s->pat_first)
+        for (int i = 0; i < s->npats; i++)
+            free(s->pat_first[i]);
+    free(s->pat_first);
+    free(s->roots);
+    free(s->exempts);
+    free(s->absolutes);
     free(s->glob_blob);
     free(s->groups);
     free(s->threads);
@@ -2348,17 +2501,76 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     if (!s->glob_blob)
         goto oom;
     memcpy(s->glob_blob, globs, globs_len);
+    /* The rules: NUL-terminated entries, each "<kind>:<text>": g a name glob, p a path pattern,
+     * r a scope root, x an exempt root, a an absolute path. */
+    size_t entries = 0;
     for (size_t i = 0; i < globs_len; i++)
-        s->nglobs += globs[i] == '\0';
-    s->globs = calloc((size_t)s->nglobs, sizeof(char *));
-    s->forms = calloc((size_t)s->nglobs, sizeof(struct glob_form));
-    if (!s->globs || !s->forms)
+        entries += globs[i] == '\0';
+    s->globs = calloc(entries, sizeof(char *));
+    s->forms = calloc(entries, sizeof(struct glob_form));
+    s->pats = calloc(entries, sizeof(char *));
+    s->pat_tree = calloc(entries, sizeof(bool));
+    s->pat_last = calloc(entries, sizeof(char *));
+    s->pat_first = calloc(entries, sizeof(char *));
+    s->roots = calloc(entries, sizeof(char *));
+    s->exempts = calloc(entries, sizeof(char *));
+    s->absolutes = calloc(entries, sizeof(char *));
+    if (!s->globs || !s->forms || !s->pats || !s->pat_tree || !s->pat_last || !s->pat_first || !s->roots ||
+        !s->exempts || !s->absolutes)
         goto oom;
     char *g = s->glob_blob;
-    for (int i = 0; i < s->nglobs; i++) {
-        s->globs[i] = g;
-        s->forms[i] = glob_form_of(g);
-        g += strlen(g) + 1;
+    for (size_t i = 0; i < entries; i++) {
+        size_t len = strlen(g);
+        char kind = len >= 2 && g[1] == ':' ? g[0] : '?';
+        char *text = g + 2;
+        g += len + 1;
+        switch (kind) {
+        case 'g':
+            s->globs[s->nglobs] = text;
+            s->forms[s->nglobs] = glob_form_of(text);
+            s->nglobs++;
+            break;
+        case 'p': {
+            size_t n = strlen(text);
+            bool tree = n > 3 && strcmp(text + n - 3, "/**") == 0;
+            if (tree)
+                text[n - 3] = '\0';
+            if (!*text || text[0] == '/') {
+                snprintf(err, errlen, "bad path pattern %s", text);
+                goto fail;
+            }
+            const char *last = strrchr(text, '/');
+            s->pat_tree[s->npats] = tree;
+            if (tree) {
+                size_t first = strcspn(text, "/");
+                if (strcspn(text, "*?[\\") >= first) {
+                    s->pat_first[s->npats] = strndup(text, first);
+                    if (!s->pat_first[s->npats])
+                        goto oom;
+                }
+            }
+            s->pat_last[s->npats] = tree ? NULL : (last ? last + 1 : text);
+            s->pats[s->npats++] = text;
+            break;
+        }
+        case 'r':
+        case 'x':
+        case 'a':
+            if (text[0] != '/') {
+                snprintf(err, errlen, "a root must be absolute: %s", text);
+                goto fail;
+            }
+            if (kind == 'r')
+                s->roots[s->nroots++] = text;
+            else if (kind == 'x')
+                s->exempts[s->nexempts++] = text;
+            else
+                s->absolutes[s->nabsolutes++] = text;
+            break;
+        default:
+            snprintf(err, errlen, "bad rule entry");
+            goto fail;
+        }
     }
     s->uid = geteuid();
     s->gid = getegid();
