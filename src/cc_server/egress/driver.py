@@ -80,6 +80,7 @@ __all__ = [
     "ProxyParams",
     "Resolver",
     "SessionProxies",
+    "default_advice",
     "open_session_proxies",
     "start_session_proxies",
 ]
@@ -151,6 +152,14 @@ def _never_suggest(host: str) -> str | None:
     return None
 
 
+def default_advice(host: str) -> str:
+    """How to allow a refused host of a session started with an explicit allowlist."""
+    return (
+        f"ask the operator to add {host} to the session's egressAllowlist "
+        f"(cc-server run --allow-domain {host})"
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProxyParams:
     """What one session's proxies need."""
@@ -163,6 +172,9 @@ class ProxyParams:
     """Called once per refusal, on the event loop; exceptions are logged and ignored."""
     suggest: Callable[[str], str | None] = _never_suggest
     """The capability that would have allowed a refused host (by its canonical name)."""
+    advice: Callable[[str], str] = default_advice
+    """How to allow a refused host or address (its canonical spelling): the setting that
+    actually applies to this session (a dispatch run's is the server's, `egress.operator`)."""
     socket_dir: str | None = None
     """If set, also listen on Unix sockets `http.sock` and `socks.sock` in this directory, which
     must be ours and mode 0700; the sockets are created 0600 and removed by aclose()."""
@@ -402,9 +414,9 @@ class SessionProxies:
 
     # The guard beyond the peers.
 
-    def _forbidden(self, address: IPAddress) -> str | None:
-        """Why the proxy must not dial `address`, or None."""
-        listed = self._params.allowlist.allows(address)
+    def _forbidden(self, address: IPAddress, port: int) -> str | None:
+        """Why the proxy must not dial `address` on `port`, or None."""
+        listed = self._params.allowlist.allows(address, port)
         if (
             listed.allowed
             and listed.rule is not None
@@ -526,21 +538,21 @@ class _Connection:
     # The allowlist, the address guard and the dial.
 
     async def _check(self, event: CheckEgress) -> _Allowed | _Refused | _Unresolved:
-        decision = self._params.allowlist.allows(event.host)
+        decision = self._params.allowlist.allows(event.host, event.port)
         if not decision.allowed:
-            return _denied(decision)
+            return _denied(decision, self._params.advice)
         try:
             target = parse_host(event.host)
         except InvalidHostName as exc:  # allows() refused these already; kept for safety
             return _Refused(event.host, str(exc), "nothing: this is not a valid host name")
         if not isinstance(target, str):
-            why = self._proxies._forbidden(target)
+            why = self._proxies._forbidden(target, event.port)
             if why is not None:
                 return _Refused(
                     str(target),
                     f"{target} is a {why}; egress reaches such an address only when that "
                     "address itself is on the allowlist",
-                    _advice(str(target)),
+                    self._params.advice(str(target)),
                 )
             return _Allowed((target,))
         try:
@@ -552,13 +564,13 @@ class _Connection:
         if not unique:
             return _Unresolved(f"{target} has no addresses")
         for address in unique:
-            why = self._proxies._forbidden(address)
+            why = self._proxies._forbidden(address, event.port)
             if why is not None:
                 return _Refused(
                     target,
                     f"{target} resolves to {address}, a {why}; egress reaches such an address "
                     "only when that address itself is on the allowlist",
-                    _advice(str(address)),
+                    self._params.advice(str(address)),
                 )
         return _Allowed(unique)
 
@@ -606,7 +618,7 @@ class _Connection:
         raw = (
             f"egress refused: session={params.session_id} protocol={self._protocol} "
             f"kind={event.kind} target={event.host}:{event.port} host={refused.host} "
-            f"reason={refused.reason}"
+            f"reason={refused.reason} to_allow={how_to_allow}"
         )
         raw = " ".join(raw.split())  # one line, whatever the reason says
         log.debug("%s: %s", self._label, raw)
@@ -625,21 +637,14 @@ class _Connection:
         return how_to_allow
 
 
-def _denied(decision: Decision) -> _Refused:
+def _denied(decision: Decision, advice: Callable[[str], str]) -> _Refused:
     if decision.rule is not None:  # the deny list matched: no allowlist entry can help
         return _Refused(
             decision.host,
             decision.reason,
             "nothing: the deny list wins over every allowlist entry",
         )
-    return _Refused(decision.host, decision.reason, _advice(decision.host))
-
-
-def _advice(host: str) -> str:
-    return (
-        f"ask the operator to add {host} to the session's egressAllowlist "
-        f"(cc-server run --allow-domain {host})"
-    )
+    return _Refused(decision.host, decision.reason, advice(decision.host))
 
 
 def _suggest(params: ProxyParams, host: str) -> str | None:

@@ -325,10 +325,18 @@ def parse_pattern(text: str) -> HostPattern:
 
 
 class AllowlistRule(NamedTuple):
-    """One allowlist or deny-list entry and why it is there."""
+    """One allowlist or deny-list entry and why it is there.
+
+    `port` narrows an allow entry to one port; it is set only by the server itself (the
+    agents' model endpoint, `egress.operator`), never parsed from an allowlist entry. A rule
+    with a port matches only a target asked for with that port."""
 
     pattern: HostPattern
     reason: str
+    port: int | None = None
+
+    def __str__(self) -> str:
+        return str(self.pattern) if self.port is None else f"{self.pattern} port {self.port}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -353,8 +361,9 @@ class Allowlist:
         """Nothing is allowed (network off for the session)."""
         return not self.patterns
 
-    def allows(self, host: str | IPAddress) -> Decision:
-        """Decide one connection target: a host as the client spelled it, or an address.
+    def allows(self, host: str | IPAddress, port: int | None = None) -> Decision:
+        """Decide one connection target: a host as the client spelled it, or an address, and
+        the port asked for (None: unknown, so no port-scoped rule matches).
 
         Never raises: an invalid host name is refused with a reason.
         """
@@ -375,12 +384,12 @@ class Allowlist:
                     reason=f"{shown} is on the egress deny list ({rule.pattern}: {rule.reason})",
                 )
         for rule in self.patterns:
-            if _rule_matches(rule, target):
+            if (rule.port is None or rule.port == port) and _rule_matches(rule, target):
                 return Decision(
                     allowed=True,
                     host=shown,
                     rule=rule,
-                    reason=f"{shown} is allowed by {rule.pattern} ({rule.reason})",
+                    reason=f"{shown} is allowed by {rule} ({rule.reason})",
                 )
         if self.is_empty:
             reason = f"{shown}: network access is off for this session (the allowlist is empty)"

@@ -4,9 +4,11 @@ The rules, from the spec's "Network egress":
 
 - networkEnabled false, or an agent without canUseNetwork: the allowlist is empty (the proxies
   still start and refuse everything);
-- otherwise the baseline (LLM providers, Git hosting, package registries), plus GitHub's domains
-  when the agent can call the GitHub API or push, plus SandboxSpec.egressAllowlist, plus the
-  ticketing domains passed in when the agent can call ticketing (dispatch passes none);
+- otherwise the baseline (LLM providers, Git hosting, package registries), plus the operator's
+  extension of it (`extra_baseline`: for dispatch, `egress.operator.OperatorEgress.rules`), plus
+  GitHub's domains when the agent can call the GitHub API or push, plus
+  SandboxSpec.egressAllowlist, plus the ticketing domains passed in when the agent can call
+  ticketing (dispatch passes none);
 - the deny list (cloud metadata, telemetry sinks) wins over every allow, in every case.
 """
 
@@ -42,11 +44,14 @@ def allowlist_for(
     capabilities: AgentCapabilities | None = None,
     *,
     ticketing_domains: Iterable[str] = (),
+    extra_baseline: Iterable[AllowlistRule] = (),
 ) -> Allowlist:
     """The egress allowlist of one session.
 
     `capabilities` default to `spec.capabilities`. Every egressAllowlist entry and ticketing
     domain is validated even when the network is off, so a bad spec fails the same way always.
+    `extra_baseline` extends the curated baseline (already parsed rules, with their reasons);
+    like the baseline it applies only when the network is on.
 
     Raises:
         InvalidPattern: an egressAllowlist entry or a ticketing domain is malformed; the message
@@ -57,7 +62,7 @@ def allowlist_for(
     ticketing = _rules("ticketing_domains", ticketing_domains, TICKETING_REASON)
     if not (spec.network_enabled and caps.can_use_network):
         return Allowlist(patterns=(), denied=BASELINE_DENIED)
-    rules = [*BASELINE_ALLOWED]
+    rules = [*BASELINE_ALLOWED, *extra_baseline]
     if caps.earns_github:
         rules += GITHUB_DOMAINS
     rules += extra
@@ -78,10 +83,13 @@ def _rules(field: str, texts: Iterable[str], reason: str) -> tuple[AllowlistRule
 
 
 def _unique(rules: list[AllowlistRule]) -> tuple[AllowlistRule, ...]:
-    """Drop repeated patterns, keeping the first (the baseline's reason over the spec's)."""
+    """Drop repeated patterns, keeping the first (the baseline's reason over the spec's). A
+    rule is repeated when an earlier one has its pattern and allows every port it does."""
     seen: list[AllowlistRule] = []
     for rule in rules:
-        if all(rule.pattern != kept.pattern for kept in seen):
+        if all(
+            rule.pattern != kept.pattern or kept.port not in (None, rule.port) for kept in seen
+        ):
             seen.append(rule)
     return tuple(seen)
 

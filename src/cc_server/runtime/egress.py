@@ -28,6 +28,7 @@ from cc_server.egress.driver import (
     ProxyParams,
     Resolver,
     SessionProxies,
+    default_advice,
     start_session_proxies,
 )
 from cc_server.egress.patterns import Allowlist
@@ -114,6 +115,7 @@ class SessionEgress:
         suggest: Callable[[str], str | None],
         on_violation: Callable[[SandboxViolation], None],
         base_dir: str,
+        advice: Callable[[str], str] | None = None,
         resolver: Resolver | None = None,
         tcp: bool = False,
         monitor: Monitor | None = None,
@@ -122,10 +124,12 @@ class SessionEgress:
         """`tcp`: the proxies also listen on loopback TCP, for a sandbox that shares the host's
         loopback (macOS); `monitor`: the backend's violation monitor, started and stopped with
         the proxies; `peers`: whom the Unix sockets serve (a native session: its own sandboxes,
-        `SandboxPeers`; by default only this process, as a microVM's link)."""
+        `SandboxPeers`; by default only this process, as a microVM's link); `advice`: how a
+        refused host is allowed, when not by the session's egressAllowlist."""
         self.session_id = session_id
         self.allowlist = allowlist
         self._suggest = suggest
+        self._advice = advice or default_advice
         self._on_violation = on_violation
         self._base_dir = base_dir
         self._resolver = resolver
@@ -173,6 +177,7 @@ class SessionEgress:
                         allowlist=self.allowlist,
                         on_refused=self._refused,
                         suggest=self._suggest,
+                        advice=self._advice,
                         socket_dir=directory,
                         # On Linux the sandbox comes in through the sockets only.
                         listen_tcp=self._tcp,

@@ -17,6 +17,7 @@ from cc_server.backends.plan import Command, Planner
 from cc_server.backends.probe import ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.egress.driver import Resolver
+from cc_server.egress.operator import OperatorEgress
 from cc_server.egress.resolver import allowlist_for, suggested_capability
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
 from cc_server.policy import (
@@ -60,9 +61,16 @@ class SandboxPort(Protocol):
     backend: SandboxBackend
 
     def launch(
-        self, spec: SandboxSpec, *, deny_create_globs: Iterable[str] = ()
+        self,
+        spec: SandboxSpec,
+        *,
+        deny_create_globs: Iterable[str] = (),
+        operator_egress: OperatorEgress | None = None,
     ) -> SandboxHandle:
-        """Compile the spec and return a warm handle, or raise a CcServerError."""
+        """Compile the spec and return a warm handle, or raise a CcServerError.
+
+        `operator_egress` extends the curated baseline of the session's allowlist and names the
+        operator's settings in its refusals (a dispatch run's, `egress.operator`)."""
         ...
 
 
@@ -75,12 +83,14 @@ def _launch(
     egress_base: str | None = None,
     egress_resolver: Resolver | None = None,
     mechanism: str | None = None,
+    operator_egress: OperatorEgress | None = None,
     protected_patterns: tuple[str, ...] = (),
 ) -> SandboxHandle:
     policy = compile_policy(
         spec, host, deny_create_globs=deny_create_globs, protected_patterns=protected_patterns
     )
-    allowlist = allowlist_for(spec) if egress_base is not None else None
+    extra = operator_egress.rules if operator_egress is not None else ()
+    allowlist = allowlist_for(spec, extra_baseline=extra) if egress_base is not None else None
     handle = SandboxHandle(
         session_id=spec.session_id, backend=backend, policy=policy, planner=planner
     )
@@ -94,6 +104,7 @@ def _launch(
             session_id=spec.session_id,
             allowlist=allowlist,
             suggest=suggest,
+            advice=operator_egress.advice if operator_egress is not None else None,
             on_violation=handle.record_violation,
             base_dir=egress_base,
             resolver=egress_resolver,
@@ -129,9 +140,14 @@ class NoSandboxAdapter:
     backend: SandboxBackend = SandboxBackend.NONE
 
     def launch(
-        self, spec: SandboxSpec, *, deny_create_globs: Iterable[str] = ()
+        self,
+        spec: SandboxSpec,
+        *,
+        deny_create_globs: Iterable[str] = (),
+        operator_egress: OperatorEgress | None = None,
     ) -> SandboxHandle:
-        """Compile the spec (for its working directory) and return a warm `none` handle.
+        """Compile the spec (for its working directory) and return a warm `none` handle. There
+        is no egress to extend (`operator_egress` is accepted and unused).
 
         Raises:
             BadSpec: the spec does not compile (a bind source is missing, a glob is malformed).
@@ -165,7 +181,11 @@ class NativeSandboxAdapter:
         return self.probe_result.available
 
     def launch(
-        self, spec: SandboxSpec, *, deny_create_globs: Iterable[str] = ()
+        self,
+        spec: SandboxSpec,
+        *,
+        deny_create_globs: Iterable[str] = (),
+        operator_egress: OperatorEgress | None = None,
     ) -> SandboxHandle:
         """Compile the spec and return a warm native handle.
 
@@ -192,6 +212,7 @@ class NativeSandboxAdapter:
             base,
             self.egress_resolver,
             mechanism,
+            operator_egress,
             protected_patterns_for(self.probe_result),
         )
 
@@ -207,10 +228,15 @@ class MicroVMSandboxAdapter:
     egress_resolver: Resolver | None = None
 
     def launch(
-        self, spec: SandboxSpec, *, deny_create_globs: Iterable[str] = ()
+        self,
+        spec: SandboxSpec,
+        *,
+        deny_create_globs: Iterable[str] = (),
+        operator_egress: OperatorEgress | None = None,
     ) -> SandboxHandle:
         """Compile the spec and return a `created` handle whose VM is being restored (its first
-        exec waits for `warm`; `await handle.ready()` does too).
+        exec waits for `warm`; `await handle.ready()` does too). `operator_egress` extends the
+        allowlist (its refusal advice is the runtime's own).
 
         Raises:
             BackendUnavailable: this host cannot boot a microVM (the probe's reason), or the
@@ -218,10 +244,14 @@ class MicroVMSandboxAdapter:
             BadSpec: the spec does not compile or its mounts do not fit a VM.
         """
         policy = compile_policy(spec, self.host, deny_create_globs=deny_create_globs)
-        return self.launch_policy(policy, allowlist_spec=spec)
+        return self.launch_policy(policy, allowlist_spec=spec, operator_egress=operator_egress)
 
     def launch_policy(
-        self, policy: CompiledPolicy, *, allowlist_spec: SandboxSpec | None
+        self,
+        policy: CompiledPolicy,
+        *,
+        allowlist_spec: SandboxSpec | None,
+        operator_egress: OperatorEgress | None = None,
     ) -> MicroVMHandle:
         """A handle for an already compiled policy. Terminals have no spec: their guest
         reaches the curated baseline through the session's proxies (a VM has no other way out).
@@ -238,8 +268,9 @@ class MicroVMSandboxAdapter:
                 fix="request 'native' (with the create-rule supervisor) for this policy",
             )
         spec = allowlist_spec
+        extra = operator_egress.rules if operator_egress is not None else ()
         allowlist = (
-            allowlist_for(spec)
+            allowlist_for(spec, extra_baseline=extra)
             if spec is not None
             else Allowlist(patterns=tuple(BASELINE_ALLOWED), denied=BASELINE_DENIED)
         )
@@ -301,8 +332,10 @@ class SandboxManager:
         *,
         backend: SandboxBackend | None = None,
         deny_create_globs: Iterable[str] = (),
+        operator_egress: OperatorEgress | None = None,
     ) -> SandboxHandle:
-        """Launch a sandbox for `spec` and keep it until `destroy`.
+        """Launch a sandbox for `spec` and keep it until `destroy`. `operator_egress`: the
+        operator's extension of the baseline allowlist (dispatch runs).
 
         Raises:
             BadSpec: a sandbox with this sessionId is already live, or the spec does not compile.
@@ -314,7 +347,9 @@ class SandboxManager:
                 f"a sandbox with sessionId {spec.session_id!r} is already live",
                 fix="destroy it first or use another sessionId",
             )
-        handle = self.choose(backend).launch(spec, deny_create_globs=deny_create_globs)
+        handle = self.choose(backend).launch(
+            spec, deny_create_globs=deny_create_globs, operator_egress=operator_egress
+        )
         self.handles[spec.session_id] = handle
         return handle
 
