@@ -128,6 +128,11 @@ def parser() -> argparse.ArgumentParser:
     p_serve.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     p_serve.add_argument("--tls-cert", metavar="PEM", help="serve HTTPS with this certificate")
     p_serve.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
+    p_serve.add_argument("--dispatch-allow-domain", action="append", default=[],
+                         metavar="PATTERN",
+                         help="extend every dispatch run's baseline egress allowlist: host, "
+                         "*.domain, a.*.b, an IP address (repeatable; adds to "
+                         "CC_SERVER_DISPATCH_ALLOW_DOMAINS)")
     p_daemon = sub.add_parser(
         "daemon", help="the CLI daemon that serves `run` (started on first use; "
         "CC_SERVER_DAEMON=off runs without it)")
@@ -144,6 +149,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             host=args.host, port=args.port, sandbox_flag=args.sandbox,
             token_file=args.token_file, log_json=args.log_json,
             tls_cert=args.tls_cert, tls_key=args.tls_key,
+            dispatch_allow_domains=tuple(args.dispatch_allow_domain),
         )
     except ServerConfigError as exc:
         print(f"cc-server: {exc}", file=sys.stderr)

@@ -3,11 +3,14 @@ choose), and once through the real `cc-server serve` process configured by its e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import http.server
 import os
 import pathlib
 import shutil
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -306,3 +309,102 @@ async def test_a_dispatch_that_fails_to_install_leaves_no_worktree_mounted(
     assert mounted_under(str(tmp_path)) == []
     assert pathlib.Path(wt.root).is_dir()  # the worktree itself is kept for the next start
     await manager.aclose()
+
+
+async def test_a_server_started_from_its_home_with_the_default_dispatch_dir_dispatches(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`cd ~ && cc-server serve`: the shell's PWD (and OLDPWD) is the home directory, a prefix of
+    every run's HOME under the default dispatch dir; neither is a secret."""
+    repo = make_repo(tmp_path / "repo")
+    home = tmp_path / "operator-home"
+    home.mkdir()
+    env = {"PWD": str(home), "OLDPWD": str(home)}
+    with running_server(home, env=env, home=home) as server:
+        async with server.client() as http:
+            await http.post("/v1/repos", json={"repoId": "r", "path": str(repo)})
+            wt = await (await http.post("/v1/worktrees", json={
+                "repoId": "r", "conversationId": "c1"})).json()
+            resp = await http.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
+            assert resp.status == 201, (await resp.text(), server.log_text()[-3000:])
+            run = await resp.json()
+            assert run["worktree"]["path"].startswith(str(home / ".local" / "state"))
+            done = await (await http.post(f"/v1/dispatches/{run['runId']}/bash", json={
+                "command": "echo $HOME"})).json()
+            assert done["exitCode"] == 0 and done["stdout"].startswith(str(home)), done
+            assert (await http.delete(f"/v1/dispatches/{run['runId']}")).status == 204
+            assert (await http.delete(f"/v1/worktrees/{wt['worktreeId']}")).status == 204
+    assert mounted_under(str(tmp_path)) == []
+
+
+@contextlib.contextmanager
+def _loopback_upstream(body: bytes = b"upstream-ok") -> Iterator[tuple[int, list[str]]]:
+    """An HTTP server on 127.0.0.1 that answers every request with `body` and records its
+    request lines: the host service a dispatch run may reach only through its proxies."""
+    seen: list[str] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append(self.requestline)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_POST = do_GET
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, name="loopback-upstream", daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1], seen
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+async def test_a_dispatch_run_reaches_what_the_operator_allowed_and_nothing_else(
+    tmp_path: pathlib.Path,
+) -> None:
+    """`--dispatch-allow-domain` and CC_SERVER_DISPATCH_ALLOW_DOMAINS extend the baseline of every
+    dispatch run (no per-run egressAllowlist); a refusal names those settings."""
+    repo = make_repo(tmp_path / "repo")
+    env = {"CC_SERVER_DISPATCH_DIR": str(tmp_path / "dispatch"),
+           "CC_SERVER_DISPATCH_ALLOW_DOMAINS": " 127.0.0.1, ::1 "}
+    # curl honours the bridge's NO_PROXY (loopback) even with -x; '' sends it to the proxy.
+    curl = "curl --noproxy '' -sS --max-time 20 -o - -w ' %{http_code}'"
+    with _loopback_upstream() as (port, seen), \
+            running_server(tmp_path, "--dispatch-allow-domain", "localhost", env=env) as server:
+        async with server.client() as http_client:
+            await http_client.post("/v1/repos", json={"repoId": "r", "path": str(repo)})
+            wt = await (await http_client.post("/v1/worktrees", json={
+                "repoId": "r", "conversationId": "c1"})).json()
+            resp = await http_client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
+            assert resp.status == 201, await resp.text()
+            run = await resp.json()
+            assert run["backend"] == "native"
+            bash = f"/v1/dispatches/{run['runId']}/bash"
+            for target in (f"http://127.0.0.1:{port}/ip", f"http://localhost:{port}/name"):
+                done = await (await http_client.post(bash, json={
+                    "command": f"{curl} {target}"})).json()
+                assert done["stdout"] == "upstream-ok 200", done
+                assert done["violations"] == [], done
+            assert [line.split()[1] for line in seen] == ["/ip", "/name"]
+            done = await (await http_client.post(bash, json={
+                "command": f"{curl} http://not-allowed.example/"})).json()
+            assert done["stdout"].endswith(" 403"), done
+            assert "--dispatch-allow-domain not-allowed.example" in done["stdout"]
+            refused = [v for v in done["violations"] if v["action"] == "network-outbound"]
+            assert [v["target"] for v in refused] == ["not-allowed.example:80"], done
+            assert "--dispatch-allow-domain not-allowed.example" in refused[0]["raw"]
+            assert "CC_SERVER_DISPATCH_ALLOW_DOMAINS" in refused[0]["raw"]
+            assert "cc-server run --allow-domain" not in refused[0]["raw"]
+            kept = await (await http_client.get(f"/v1/dispatches/{run['runId']}")).json()
+            assert "not-allowed.example:80" in [v["target"] for v in kept["violations"]]
+            assert (await http_client.delete(f"/v1/dispatches/{run['runId']}")).status == 204
+    assert len(seen) == 2
+    assert mounted_under(str(tmp_path)) == []

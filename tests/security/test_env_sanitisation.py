@@ -4,6 +4,7 @@ and what the caller adds cannot smuggle a host secret in under another name."""
 from __future__ import annotations
 
 import os
+import pathlib
 import secrets
 import subprocess
 
@@ -13,12 +14,16 @@ from hypothesis import strategies as st
 
 from cc_server.dispatch.env import (
     ALLOWED_NAMES,
+    CA_BUNDLE_NAMES,
+    NOT_SECRET_NAMES,
     SECRET_SUBSTRINGS,
     SECRET_WORDS,
     EnvRefused,
+    ca_bundle_env,
     looks_secret,
     sanitized_env,
 )
+from cc_server.errors import BadSpec
 
 pytestmark = pytest.mark.security
 
@@ -48,7 +53,9 @@ def secret_names(draw: st.DrawFn) -> str:
         head = head + "_" if head and not head.endswith("_") else head
         after = "_" + after if after else after
     name = head + term + after
-    return name if not name[0].isdigit() else "V" + name
+    name = name if not name[0].isdigit() else "V" + name
+    # The few exact names that hold nothing secret (PWD, SSL_CERT_FILE, ...) are not secrets.
+    return name if name not in NOT_SECRET_NAMES else name + "_X"
 
 
 @settings(max_examples=500)
@@ -148,3 +155,50 @@ def test_a_real_process_sees_none_of_the_host_secrets() -> None:
     for line in seen.splitlines():
         name = line.partition("=")[0]
         assert name in ALLOWED_NAMES or name.startswith("LC_"), name
+
+
+def test_pwd_oldpwd_ca_bundles_and_locale_are_not_secrets() -> None:
+    """`cd ~ && cc-server serve`: PWD is the home directory, a prefix of every run's HOME."""
+    for name in ("PWD", "OLDPWD", "XDG_SESSION_TYPE", "DESKTOP_SESSION", *CA_BUNDLE_NAMES):
+        assert not looks_secret(name), name
+    for name in ("GIT_SSL_CERT", "GIT_SSL_KEY", "PIP_CLIENT_CERT", "pwd", "MY_PWD", "OLDPWD_X",
+                 "SSL_CERT_FILE_PASSWORD", "LC_PWD"):
+        assert looks_secret(name), name  # a client certificate, a key, a password: still secrets
+    home = "/home/operator"
+    source = {"PATH": "/bin", "HOME": home, "PWD": home, "OLDPWD": home,
+              "LANG": "de_DE.UTF-8", "LC_ALL": "de_DE.UTF-8", "LANGUAGE": "de_DE:en",
+              "SSL_CERT_FILE": f"{home}/corp-ca.pem", "XDG_SESSION_DESKTOP": "ubuntu"}
+    add = {"HOME": f"{home}/.local/state/cc-server/runs/run-1",
+           "CLAUDE_CONFIG_DIR": f"{home}/.local/state/cc-server/runs/run-1/.claude",
+           "LC_MESSAGES": "de_DE.UTF-8", "NODE_EXTRA_CA_CERTS": f"{home}/corp-ca.pem",
+           "PWD": "/work", "SSL_CERT_DIR": "/etc/ssl/certs"}
+    out = sanitized_env(source, add=add)
+    assert {k: out[k] for k in add} == add
+    assert out["LANG"] == out["LC_ALL"] == "de_DE.UTF-8" and out["LANGUAGE"] == "de_DE:en"
+    # The CA bundles reach a run through ca_bundle_env (and the service's binds), never through
+    # the allowlist; neither do the shell's PWD and OLDPWD.
+    assert "SSL_CERT_FILE" not in sanitized_env(source) and "PWD" not in sanitized_env(source)
+
+
+def test_a_refusal_names_the_host_variable_and_is_a_bad_spec() -> None:
+    secret = "/home/operator/.tokens/abcdef"
+    source = {"PATH": "/bin", "DEPLOY_TOKEN_DIR": secret}
+    with pytest.raises(EnvRefused, match="'DEPLOY_TOKEN_DIR'") as caught:
+        sanitized_env(source, add={"HOME": f"{secret}/run-1"})
+    assert isinstance(caught.value, BadSpec)
+    assert (caught.value.variable, caught.value.host_variable) == ("HOME", "DEPLOY_TOKEN_DIR")
+    assert caught.value.operator is False and "DEPLOY_TOKEN_DIR" in (caught.value.fix or "")
+    with pytest.raises(EnvRefused) as named:
+        sanitized_env(source, add={"MY_TOKEN": "x"})
+    assert (named.value.variable, named.value.host_variable) == ("MY_TOKEN", None)
+
+
+def test_ca_bundle_env_keeps_only_bundles_that_exist(tmp_path: pathlib.Path) -> None:
+    bundle = tmp_path / "corp-ca.pem"
+    bundle.write_text("-----BEGIN CERTIFICATE-----\n")
+    source = {"SSL_CERT_FILE": str(bundle), "NODE_EXTRA_CA_CERTS": str(tmp_path / "missing.pem"),
+              "REQUESTS_CA_BUNDLE": "relative.pem", "SSL_CERT_DIR": f"{tmp_path}:/etc",
+              "GIT_SSL_CAINFO": "", "CURL_CA_BUNDLE": str(bundle), "GIT_SSL_CERT": str(bundle)}
+    assert ca_bundle_env(source) == {"SSL_CERT_FILE": str(bundle),
+                                     "SSL_CERT_DIR": f"{tmp_path}:/etc",
+                                     "CURL_CA_BUNDLE": str(bundle)}

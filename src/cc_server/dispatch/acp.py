@@ -444,7 +444,10 @@ async def start_acp(run: DispatchRun) -> AcpSession:
     if run.agent_argv is None:
         raise BadSpec("this run has no ACP agent command")
     execution = run.handle.exec(
-        run.agent_argv, env=run.env, cwd=run.worktree.path, interactive_stdin=True
+        (*run.agent_prefix, *run.agent_argv),
+        env=run.env,
+        cwd=run.worktree.path,
+        interactive_stdin=True,
     )
     await execution.__aenter__()
     session = AcpSession(run, execution)

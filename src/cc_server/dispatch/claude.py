@@ -69,7 +69,7 @@ async def run_claude(
         added = {name: checked[name] for name in env}
     return await run_bounded(
         run.handle,
-        argv,
+        (*run.agent_prefix, *argv),
         env={**run.env, **added},
         cwd=run.worktree.path,
         stdin=stdin,

@@ -7,7 +7,10 @@
    directory (its HOME and `CLAUDE_CONFIG_DIR`) is a runner state directory; the agent's install
    directories are read-only binds;
 2. the credential broker's grant (only what the capabilities allow) adds its binds and variables;
-3. the sandbox is launched with the standard create-time globs (`.env`, `*.key`, `*.pem`):
+   the server's CA-bundle variables (`SSL_CERT_FILE`, ...) pass with their files bound read-only
+   (`ca_bundle_binds`), and the operator's model endpoint (`ANTHROPIC_BASE_URL`) passes too;
+3. the sandbox is launched with the standard create-time globs (`.env`, `*.key`, `*.pem`) and the
+   operator's egress (`egress.operator`: the baseline's extension, the refusal advice):
    `native` when the boot probe found a backend and `--sandbox` is on, else `none`. Linux native
    without create-time rules refuses here (BackendUnavailable), and that is what the client sees;
 4. the guardrail chain of the compiled policy is built, and the agent's own launch passes it as a
@@ -32,8 +35,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
+from cc_server.backends.bubblewrap import SYSTEM_RO_PATHS
+from cc_server.backends.egress_bridge import bridge_env
 from cc_server.backends.peer import PeerRule
-from cc_server.dispatch.env import sanitized_env
+from cc_server.dispatch.env import EnvRefused, ca_bundle_env, ca_bundle_paths, sanitized_env
 from cc_server.dispatch.guardrails import (
     Action,
     ActionKind,
@@ -44,6 +49,7 @@ from cc_server.dispatch.guardrails import (
 from cc_server.dispatch.harness import HarnessBash
 from cc_server.dispatch.tools import FileTools
 from cc_server.dispatch.worktrees import Worktree, WorktreeManager, WorktreeStrategy
+from cc_server.egress.operator import MODEL_URL_ENV, OperatorEgress
 from cc_server.errors import BadSpec
 from cc_server.policy import (
     STANDARD_DENY_CREATE_GLOBS,
@@ -53,6 +59,7 @@ from cc_server.policy import (
     SandboxBindMount,
     SandboxSpec,
 )
+from cc_server.policy.paths import SECRET_DENY_READ, SYSTEM_DENY_READ
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.port import SandboxManager
 
@@ -109,6 +116,8 @@ class DispatchConfig:
     agent_dirs: tuple[str, ...] = ()  # read-only binds the agents need (an npm prefix, ...)
     guardrails: tuple[Guardrail, ...] = ()  # the operator's extra guardrails, after the standard
     server_private: tuple[str, ...] = ()  # the token file, the socket base: never inside a bind
+    # the operator's extension of the baseline allowlist and the agents' model endpoint
+    operator_egress: OperatorEgress = field(default_factory=OperatorEgress)
 
     def agent_argv(self, agent: AgentKind) -> tuple[str, ...] | None:
         """The configured command of an agent kind (None for the harness or when not set)."""
@@ -136,6 +145,9 @@ class DispatchRun:
     state_dir: str
     agent_argv: tuple[str, ...] | None  # the configured agent command (None: harness only)
     server_environ: Mapping[str, str] = field(repr=False)  # for checking additions only
+    # Prepended to the agent's own argv (after the guardrails judged it): sets the agent's
+    # NO_PROXY when the model endpoint is on loopback (see `DispatchService.agent_prefix`).
+    agent_prefix: tuple[str, ...] = ()
     acp: Any = None  # the AcpSession of an ACP run (dispatch.acp)
     details: dict[str, Any] = field(default_factory=dict)
 
@@ -163,6 +175,10 @@ class DispatchRun:
             "guardrails": list(self.chain.names),
             **self.details,
         }
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 class DispatchService:
@@ -241,22 +257,97 @@ class DispatchService:
                         fix="configure agent directories and the dispatch directory outside it",
                     )
 
-    def agent_env(self, state_dir: str, grant: Grant, *, inherit_host: bool) -> dict[str, str]:
+    def agent_env(
+        self,
+        state_dir: str,
+        grant: Grant,
+        *,
+        inherit_host: bool,
+        ca_env: Mapping[str, str] | None = None,
+    ) -> dict[str, str]:
         """The agent process's environment.
 
         Sanitised (the allowlist, never a secret-named variable) plus the run's HOME and Claude
-        config directory and the grant's variables; the proxy variables are added by the native
-        plan where egress applies. `inherit_host` is the one exception the reference page names:
-        Claude Code through NoSandboxAdapter inherits the host environment.
+        config directory, the CA-bundle variables `ca_env`, the operator's model endpoint and the
+        grant's variables; the proxy variables are added by the native plan where egress
+        applies. `inherit_host` is the one exception the reference page names: Claude Code
+        through NoSandboxAdapter inherits the host environment.
+
+        Raises:
+            EnvRefused: (`operator` set) an addition carries the value of a secret-like variable
+                of the server's environment; the message names both.
         """
+        ca_env = ca_env or {}
         add = {
             "HOME": state_dir,
             "CLAUDE_CONFIG_DIR": os.path.join(state_dir, ".claude"),
+            **ca_env,
             **grant.env,
         }
+        model_url = self.config.operator_egress.model_url
+        if model_url is not None:
+            add[MODEL_URL_ENV] = model_url
         if inherit_host:
             return {**self.environ, **add}
-        return sanitized_env(self.environ, add=add)
+        try:
+            return sanitized_env(self.environ, add=add)
+        except EnvRefused as exc:
+            # Nothing here came from the caller: the server's configuration is what to fix.
+            raise EnvRefused(
+                f"the run's environment cannot be built: {exc.message}",
+                fix=(
+                    f"the server's {exc.host_variable} is named like a secret and its value "
+                    f"appears in {exc.variable}: unset or rename {exc.host_variable} in the "
+                    "server's environment (or move CC_SERVER_DISPATCH_DIR), then restart"
+                    if exc.host_variable is not None
+                    else exc.fix
+                ),
+                variable=exc.variable,
+                host_variable=exc.host_variable,
+                operator=True,
+            ) from None
+
+    def ca_bundle_binds(self) -> tuple[dict[str, str], tuple[SandboxBindMount, ...]]:
+        """The server's CA-bundle variables a run gets, and the read-only binds that make their
+        files visible inside its sandbox.
+
+        A bundle under the system paths every sandbox sees read-only (`/usr`, `/etc`, ...) needs
+        no bind; any other is bound read-only at its own path (a CA bundle is public). A bundle
+        inside a read-denied path (`~/.ssh`, `/etc/ssl/private`, ...) is never bound, and its
+        variable is dropped with a log line; so is one that does not exist.
+        """
+        env: dict[str, str] = {}
+        binds: list[SandboxBindMount] = []
+        home = self.manager.host.home.rstrip("/") or "/"
+        denied = [os.path.join(home, rel) for rel, _ in SECRET_DENY_READ]
+        denied += [path for path, _ in SYSTEM_DENY_READ]
+        denied = [os.path.realpath(p) for p in denied]
+        for name, value in ca_bundle_env(self.environ).items():
+            paths = [os.path.realpath(p) for p in ca_bundle_paths(name, value)]
+            if any(_under(path, d) for path in paths for d in denied):
+                log.warning("dispatch: %s=%s is in a read-denied path; not passed", name, value)
+                continue
+            env[name] = value
+            binds += [
+                SandboxBindMount(host_path=path, read_only=True)
+                for path in paths
+                if not any(_under(path, root) for root in SYSTEM_RO_PATHS)
+            ]
+        unique = {b.host_path: b for b in binds}
+        return env, tuple(unique.values())
+
+    def agent_prefix(self, backend: SandboxBackend) -> tuple[str, ...]:
+        """What goes before the agent's argv so that a loopback model endpoint is reached
+        through the session's proxies: the native plan sets `NO_PROXY` to the loopback
+        addresses, which would send the agent to the sandbox's own loopback instead (no
+        violation, no answer). `env` resets NO_PROXY for the agent's process tree, without the
+        endpoint's host. Empty when there is no such endpoint or no proxy (`none`)."""
+        egress = self.config.operator_egress
+        if backend is SandboxBackend.NONE or not egress.model_on_loopback:
+            return ()
+        no_proxy = egress.no_proxy(bridge_env()["NO_PROXY"])
+        # /usr/bin/env: on every host the native backends run on, inside every sandbox.
+        return ("/usr/bin/env", f"NO_PROXY={no_proxy}", f"no_proxy={no_proxy}")
 
     # -- runs --
 
@@ -277,6 +368,8 @@ class DispatchService:
             BackendUnavailable: the native backend cannot enforce the dispatch policy here (no
                 create-time rules on Linux).
             ActionRefused: a guardrail refused the agent's launch.
+            EnvRefused: (a BadSpec, `operator` set) the server's environment would put a
+                secret-like variable's value into the run's.
             CcServerError: anything else that kept the sandbox from starting.
         """
         if len(self.runs) >= MAX_RUNS:
@@ -304,11 +397,16 @@ class DispatchService:
                 state_dir=state_dir,
             )
             grant = self.broker.grant(make_spec(), run_id)
-            spec = make_spec(extra_binds=grant.bind_mounts)
+            ca_env, ca_binds = self.ca_bundle_binds()
+            spec = make_spec(extra_binds=(*grant.bind_mounts, *ca_binds))
             self._check_private(spec)
             # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
             # so a server shutdown destroys it with the rest.
-            handle = self.manager.launch(spec, deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
+            handle = self.manager.launch(
+                spec,
+                deny_create_globs=STANDARD_DENY_CREATE_GLOBS,
+                operator_egress=self.config.operator_egress,
+            )
             self.broker.admit(run_id, handle.sandbox_peers)  # its sandbox asks, nothing else
             chain = standard_chain(handle.policy, extra=self.config.guardrails)
             if argv is not None:
@@ -318,8 +416,8 @@ class DispatchService:
                     )
                 )
             inherit = agent is AgentKind.CLAUDE and handle.backend is SandboxBackend.NONE
-            env = self.agent_env(state_dir, grant, inherit_host=inherit)
-            harness_env = self.agent_env(state_dir, grant, inherit_host=False)
+            env = self.agent_env(state_dir, grant, inherit_host=inherit, ca_env=ca_env)
+            harness_env = self.agent_env(state_dir, grant, inherit_host=False, ca_env=ca_env)
             run = DispatchRun(
                 run_id=run_id,
                 agent=agent,
@@ -334,6 +432,7 @@ class DispatchService:
                 state_dir=state_dir,
                 agent_argv=argv,
                 server_environ=self.environ,
+                agent_prefix=self.agent_prefix(handle.backend),
             )
         except BaseException:
             await self._release(run_id, state_dir)

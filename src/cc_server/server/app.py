@@ -159,7 +159,8 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
                         exec_output_limit_bytes=config.exec_output_limit_bytes)
     app = build_app(state, token)
     try:  # repos, worktrees and dispatch runs (server/dispatch_api.py)
-        install_dispatch(app, manager, server_private=(token_path, base))
+        install_dispatch(app, manager, server_private=(token_path, base),
+                         allow_domains=config.dispatch_allow_domains)
     except BaseException:
         remove_token_file(token_path, token)
         forget_server_token(token_record)

@@ -13,7 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from cc_server.errors import CcServerError
+from cc_server.egress.operator import OperatorEgress
+from cc_server.errors import BadSpec, CcServerError
 from cc_server.runtime.output import DEFAULT_COLLECT_LIMIT_BYTES
 
 __all__ = [
@@ -63,6 +64,8 @@ class ServerConfig:
     microvm: str = "off"  # CC_SERVER_MICROVM: off, on or default (see MICROVM_VALUES)
     # CC_SERVER_EXEC_OUTPUT_LIMIT: bytes per stream a collected exec result keeps
     exec_output_limit_bytes: int = DEFAULT_COLLECT_LIMIT_BYTES
+    # --dispatch-allow-domain (repeatable): extends every dispatch run's baseline allowlist
+    dispatch_allow_domains: tuple[str, ...] = ()
 
     @property
     def tls(self) -> bool:
@@ -81,14 +84,17 @@ class ServerConfig:
         log_json: bool = False,
         tls_cert: str | None = None,
         tls_key: str | None = None,
+        dispatch_allow_domains: tuple[str, ...] = (),
     ) -> ServerConfig:
         """Check the options and build the config.
 
         Raises:
             ServerConfigError: a bad --sandbox or CC_SERVER_SANDBOX value, a port outside
                 0..65535, only one of the TLS files, a relative token file path, a
-                non-loopback address without TLS, or a bad CC_SERVER_MICROVM or
-                CC_SERVER_EXEC_OUTPUT_LIMIT value.
+                non-loopback address without TLS, a bad CC_SERVER_MICROVM or
+                CC_SERVER_EXEC_OUTPUT_LIMIT value, or a malformed dispatch egress setting
+                (--dispatch-allow-domain, CC_SERVER_DISPATCH_ALLOW_DOMAINS,
+                ANTHROPIC_BASE_URL).
         """
         sandbox_on = resolve_sandbox_flag(sandbox_flag, environ)
         if not 0 <= port <= 65535:
@@ -103,7 +109,12 @@ class ServerConfig:
             raise ServerConfigError(
                 f"{MICROVM_ENV} must be one of {', '.join(MICROVM_VALUES)}, got {microvm!r}"
             )
+        try:
+            OperatorEgress.build(dispatch_allow_domains, environ)  # checked once here
+        except BadSpec as exc:
+            raise ServerConfigError(exc.message, fix=exc.fix) from None
         return cls(
+            dispatch_allow_domains=tuple(dispatch_allow_domains),
             microvm=microvm,
             exec_output_limit_bytes=exec_output_limit(environ),
             host=host,

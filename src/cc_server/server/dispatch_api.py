@@ -23,7 +23,14 @@ The operator configures dispatch through the server's environment (paths only, n
 (':'-separated read-only binds the agents need; by default the `node_modules` tree or directory
 of each agent program), `CC_SERVER_DISPATCH_DIR` (worktrees and run state; by default
 `$XDG_STATE_HOME/cc-server` or `~/.local/state/cc-server`) and `CC_SERVER_GITHUB_TOKEN_FILE`
-(the credential broker's GitHub token).
+(the credential broker's GitHub token). The dispatch egress is the operator's too
+(`egress.operator`): `cc-server serve --dispatch-allow-domain PATTERN` and
+`CC_SERVER_DISPATCH_ALLOW_DOMAINS` extend every run's baseline allowlist, and the agents' model
+endpoint `ANTHROPIC_BASE_URL` is passed to every agent and allowed on its port.
+
+A problem of the server's own configuration that only shows at dispatch (its environment would
+put a secret-like variable's value into the run's) answers 409 with the variable and the fix,
+never 500: the operator fixes it, not the caller.
 """
 
 from __future__ import annotations
@@ -42,10 +49,12 @@ from aiohttp import web
 from cc_server.dispatch.acp import start_acp
 from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.credentials import CredentialBroker, remove_stale_grant_dirs
+from cc_server.dispatch.env import EnvRefused
 from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
 from cc_server.dispatch.tools import FileTools
 from cc_server.dispatch.worktrees import WorktreeManager
+from cc_server.egress.operator import OperatorEgress
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import AgentCapabilities, Mode
 from cc_server.runtime.egress import egress_base_dir
@@ -64,6 +73,8 @@ __all__ = [
 ]
 
 REFUSED_STATUS: Final = 403  # a guardrail refused the action: the same request stays refused
+# The server's configuration keeps this request from being served until the operator fixes it.
+OPERATOR_CONFIG_STATUS: Final = 409
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a file write through the tools API
 
 routes = web.RouteTableDef()
@@ -143,12 +154,15 @@ def _default_agent_dirs(argv: tuple[str, ...]) -> list[str]:
     return dirs
 
 
-def config_from_env(environ: Mapping[str, str]) -> tuple[DispatchConfig, str, str | None]:
+def config_from_env(
+    environ: Mapping[str, str], allow_domains: Sequence[str] = ()
+) -> tuple[DispatchConfig, str, str | None]:
     """The dispatch config, the worktree directory and the GitHub token file, from the server's
-    environment.
+    environment and the `--dispatch-allow-domain` patterns.
 
     Raises:
-        BadSpec: a configured path is not absolute or the agent command does not parse.
+        BadSpec: a configured path is not absolute, the agent command does not parse, or a
+            dispatch egress setting is malformed (InvalidPattern for an allowlist entry).
     """
     claude = environ.get("CC_SERVER_CLAUDE_PATH") or None
     if claude is not None and not os.path.isabs(claude):
@@ -172,13 +186,15 @@ def config_from_env(environ: Mapping[str, str]) -> tuple[DispatchConfig, str, st
     config = DispatchConfig(
         state_base=os.path.join(base, "runs"), claude_path=claude, acp_agent=acp_argv,
         agent_dirs=tuple(dict.fromkeys(os.path.realpath(d) for d in agent_dirs)),
+        operator_egress=OperatorEgress.build(allow_domains, environ),
     )
     return config, os.path.join(base, "worktrees"), token_file
 
 
 def install_dispatch(app: web.Application, manager: SandboxManager, *,
                      server_private: Sequence[str] = (),
-                     environ: Mapping[str, str] = os.environ) -> DispatchService:
+                     environ: Mapping[str, str] = os.environ,
+                     allow_domains: Sequence[str] = ()) -> DispatchService:
     """Build the dispatch service from the environment, add its routes, and close it with the
     app.
 
@@ -187,7 +203,7 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
         EnforcementFailed: the dispatch directory is not private.
         BackendUnavailable: no way to make worktrees here.
     """
-    config, worktree_dir, token_file = config_from_env(environ)
+    config, worktree_dir, token_file = config_from_env(environ, allow_domains)
     config = dataclasses.replace(config, server_private=tuple(server_private))
     remove_stale_grant_dirs(egress_base_dir())
     os.makedirs(os.path.dirname(worktree_dir), mode=0o700, exist_ok=True)
@@ -204,6 +220,11 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
         raise
     if worktrees.choice is not None:
         log_event("dispatch", worktrees.choice.describe(), strategy=str(worktrees.strategy))
+    egress = config.operator_egress
+    if egress.rules:
+        log_event("dispatch", "dispatch egress: the baseline plus "
+                  + ", ".join(str(rule) for rule in egress.rules),
+                  allowDomains=list(egress.patterns), modelUrl=egress.model_url)
     app[DISPATCH] = service
     app.router.add_routes(routes)
 
@@ -227,6 +248,11 @@ def _fail(exc: CcServerError) -> _Answer:
         body = {"error": "ActionRefused", "message": exc.message, "fix": exc.fix,
                 "guardrail": exc.guardrail}
         return _Answer(web.json_response(body, status=REFUSED_STATUS))
+    if isinstance(exc, EnvRefused):
+        status = OPERATOR_CONFIG_STATUS if exc.operator else status_for(exc)
+        body = {"error": "EnvRefused", "message": exc.message, "fix": exc.fix,
+                "variable": exc.variable, "hostVariable": exc.host_variable}
+        return _Answer(web.json_response(body, status=status))
     return _Answer(error_response(status_for(exc), type(exc).__name__, exc.message, exc.fix))
 
 

@@ -83,3 +83,15 @@ def test_the_exec_output_limit_defaults_to_16_mib(env: dict[str, str], limit: in
 def test_a_bad_exec_output_limit_stops_the_start(value: str) -> None:
     with pytest.raises(ServerConfigError, match="CC_SERVER_EXEC_OUTPUT_LIMIT must be a number"):
         ServerConfig.build(environ={"CC_SERVER_EXEC_OUTPUT_LIMIT": value})
+
+
+def test_dispatch_egress_settings_are_checked_before_the_server_starts() -> None:
+    config = ServerConfig.build(environ={"CC_SERVER_DISPATCH_ALLOW_DOMAINS": "10.0.0.5"},
+                                dispatch_allow_domains=("models.corp.example",))
+    assert config.dispatch_allow_domains == ("models.corp.example",)
+    with pytest.raises(ServerConfigError, match=r"--dispatch-allow-domain '\*\.com'"):
+        ServerConfig.build(environ={}, dispatch_allow_domains=("*.com",))
+    with pytest.raises(ServerConfigError, match="CC_SERVER_DISPATCH_ALLOW_DOMAINS 'a b'"):
+        ServerConfig.build(environ={"CC_SERVER_DISPATCH_ALLOW_DOMAINS": "ok.example,a b"})
+    with pytest.raises(ServerConfigError, match="ANTHROPIC_BASE_URL carries a user name"):
+        ServerConfig.build(environ={"ANTHROPIC_BASE_URL": "https://u:p@models.example"})
