@@ -21,6 +21,7 @@ from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.guardrails import Guardrail
 from cc_server.dispatch.service import DispatchConfig, DispatchService
 from cc_server.dispatch.worktrees import WorktreeManager, WorktreeStrategy, mounted_under
+from cc_server.egress.operator import OperatorEgress
 from cc_server.policy import HostFacts
 from cc_server.runtime.port import SandboxManager
 
@@ -113,6 +114,7 @@ async def open_dispatch(
     acp_agent: tuple[str, ...] | None = None,
     agent_dirs: tuple[str, ...] = (),
     strategy: WorktreeStrategy | None = None,
+    operator_egress: OperatorEgress | None = None,
 ) -> AsyncIterator[Dispatch]:
     """A service with a registered repo `r` and the npm agents configured; everything is torn
     down after, and no mount is left under tmp."""
@@ -127,7 +129,7 @@ async def open_dispatch(
     config = DispatchConfig(
         state_base=str(tmp / "runs"), claude_path=str(CLAUDE_BIN),
         acp_agent=acp_agent or (str(ACP_AGENT_BIN),), agent_dirs=(modules, *agent_dirs),
-        guardrails=tuple(guardrails),
+        guardrails=tuple(guardrails), operator_egress=operator_egress or OperatorEgress(),
     )
     env: dict[str, Any] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
                            "LANG": "C.UTF-8"}

@@ -408,3 +408,22 @@ async def test_a_dispatch_run_reaches_what_the_operator_allowed_and_nothing_else
             assert (await http_client.delete(f"/v1/dispatches/{run['runId']}")).status == 204
     assert len(seen) == 2
     assert mounted_under(str(tmp_path)) == []
+
+
+async def test_a_server_secret_in_the_runs_environment_answers_409_naming_it(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    """A secret-named server variable whose value is a prefix of the dispatch directory: the
+    operator's problem, answered 409 with both variables and a fix, and nothing is left."""
+    async with open_dispatch(tmp_path, probe_result,
+                             environ={"DEPLOY_TOKEN_DIR": str(tmp_path)}) as d, \
+            TestClient(TestServer(_app(d))) as client:
+        wt = await _worktree(client)
+        resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
+        assert resp.status == 409, await resp.text()
+        body = await resp.json()
+        assert body["error"] == "EnvRefused"
+        assert (body["variable"], body["hostVariable"]) == ("HOME", "DEPLOY_TOKEN_DIR")
+        assert "'DEPLOY_TOKEN_DIR'" in body["message"] and "DEPLOY_TOKEN_DIR" in body["fix"]
+        assert d.service.runs == {} and d.manager.handles == {}
+        assert list((tmp_path / "runs").iterdir()) == []
