@@ -4,7 +4,8 @@
 Prints the median wall time of:
   bare      /bin/true as a plain child process
   bwrap     raw bwrap with the same namespaces cc-server uses, running /bin/true
-  nobridge  the same bwrap plan cc-server builds, without the egress bridge, run directly
+  nobridge  the same bwrap plan cc-server builds, without the egress bridge and the write
+            policy's supervisor, run directly
   library   cc-server native exec of /bin/true through the library API (warm process) in a
             session that has run a command before: the plan is made and checked again, and the
             command goes to the session's sandbox (its launcher starts it)
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from cc_server.backends.plan import Command
 from cc_server.backends.probe import probe
 from cc_server.backends.runner import run_attached
-from cc_server.policy import HostFacts, parse_spec
+from cc_server.policy import HostFacts, compile_policy, parse_spec
 from cc_server.runtime.handle import run_collect
 from cc_server.runtime.port import SandboxManager
 
@@ -92,7 +93,11 @@ def main() -> int:
             loop.run_until_complete(manager.destroy(fresh.session_id))
             assert result.exit_code == 0, result
 
-        plain = handle.plan(Command(argv=("/bin/true",)))
+        # The plan without the default write policy's supervisor: it runs attached, as is.
+        bare_policy = compile_policy(
+            parse_spec({"sessionId": "plain", "workspaceId": "bench",
+                        "bindMounts": [{"hostPath": work}]}), HostFacts.current())
+        plain = handle.planner(bare_policy, Command(argv=("/bin/true",)))
         cli_bin = os.path.join(os.path.dirname(sys.executable), "cc-server")
         try:
             medians = _time_interleaved(
