@@ -5,6 +5,7 @@ CI) and an unprivileged user made for it (`other_user`), through the CLI and thr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pathlib
 import shlex
@@ -358,3 +359,80 @@ def test_as_an_unprivileged_user_the_supervisor_opens_no_kernel_object(
     assert "OPENED" not in done.stdout, done.stdout
     assert done.stdout.count("refused") == len(DEPUTY_TARGETS), done.stdout
     assert "null ok" in done.stdout, done.stdout
+
+
+# --- the CLI daemon of another base directory, as an unprivileged user -----------------------
+
+DAEMON_ATTACK = """
+import json, os, socket, struct, sys
+path, marker = sys.argv[1], sys.argv[2]
+print("visible", os.path.exists(path))
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(path)
+except OSError as exc:
+    print("connect-failed", exc.errno); sys.exit(0)
+data = json.dumps({"argv": ["run", "--backend", "none", "--", "/usr/bin/touch", marker],
+                   "cwd": "/", "env": {}}).encode()
+fd = os.open("/dev/null", os.O_RDWR)
+socket.send_fds(s, [struct.pack("!I", len(data)) + data], [fd, fd, fd])
+s.settimeout(20)
+try:
+    print("reply", s.recv(4096))
+except OSError as exc:
+    print("recv-failed", exc)
+"""
+
+
+def test_as_an_unprivileged_user_a_daemon_in_another_base_runs_nothing(
+    other_user: OtherUser, user_dir: pathlib.Path
+) -> None:
+    # The issue's exploit, as the user it was found with: a daemon whose base directory lies in
+    # another TMPDIR, a sandbox (its own runtime directory elsewhere) that binds that TMPDIR.
+    tmpdir, xdg = user_dir / "tmp", user_dir / "xdg"
+    for path in (tmpdir, xdg):
+        path.mkdir(mode=0o700)
+        os.chown(path, other_user.uid, other_user.gid)
+    where = other_user.run(
+        ["/usr/bin/python3", "-c", "from cc_server.rundir import egress_base_dir as b; print(b())"],
+        cwd=user_dir, env={"TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": ""},
+    )  # fmt: skip
+    assert where.returncode == 0, where.stderr
+    sock = os.path.join(where.stdout.strip(), "cli-attack-test.sock")
+    script = tmpdir / "attack.py"  # inside what the sandbox binds
+    script.write_text(DAEMON_ATTACK)
+    marker = pathlib.Path("/var/tmp") / unique("cc-pwned")  # /var/tmp is private inside
+    log = open(user_dir / "daemon.log", "wb")  # noqa: SIM115 (closed in finally)
+    daemon = subprocess.Popen(
+        other_user.python("-m", "cc_server.cli_daemon", sock), cwd="/",
+        env=other_user.env({"TMPDIR": str(tmpdir)}), stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=log,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(sock):
+            assert daemon.poll() is None and time.monotonic() < deadline, (
+                (user_dir / "daemon.log").read_text()
+            )
+            time.sleep(0.05)
+        # Control: the same request from the user's own namespaces runs.
+        control = other_user.run(
+            ["/usr/bin/python3", str(script), sock, str(marker)], cwd=user_dir
+        )
+        assert marker.exists(), control.stdout + control.stderr
+        marker.unlink()
+        attack = other_user.run(
+            ["/usr/bin/python3", "-m", "cc_server.cli", "run", "--bind", str(tmpdir), "--",
+             "/usr/bin/python3", str(script), sock, str(marker)],
+            cwd=user_dir, env={"XDG_RUNTIME_DIR": str(xdg), "CC_SERVER_DAEMON": "off"},
+        )  # fmt: skip
+        assert attack.returncode == 0, attack.stderr
+        assert "visible False" in attack.stdout, attack.stdout  # hidden by device and inode
+        time.sleep(0.5)
+        assert not marker.exists(), attack.stdout
+    finally:
+        daemon.kill()
+        daemon.wait()
+        log.close()
+        with contextlib.suppress(OSError):
+            marker.unlink()
