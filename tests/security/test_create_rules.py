@@ -85,7 +85,8 @@ async def test_creating_a_forbidden_name_fails_leaves_nothing_and_is_reported_on
     created = _tree(sb.worktree) - before - {"a", "a/b", "link"}
     assert created == set(), created
     assert (sb.worktree / "notes.txt").read_text() == "notes\n"  # mv left it where it was
-    assert [(v.action, v.target) for v in result.violations] == [("file-write-create", target)]
+    action = "file-write-rename" if case == "mv" else "file-write-create"
+    assert [(v.action, v.target) for v in result.violations] == [(action, target)]
 
 
 async def test_ordinary_work_still_works(sb: Sandboxes) -> None:
@@ -100,6 +101,9 @@ async def test_ordinary_work_still_works(sb: Sandboxes) -> None:
     with tarfile.open(wt / "tree.tar", "w") as tar:
         tar.add(tree, arcname="tree")
     git = "git -c user.name=Agent -c user.email=agent@example.invalid"
+    # The repository is the host's (a command may not make a new `.git`: test_write_policy.py);
+    # committing in it, nested in the worktree, is ordinary work.
+    subprocess.run(["git", "init", "-q", str(wt / "repo")], check=True)
     script = f"""
         set -e
         echo two >> existing.txt
@@ -108,7 +112,7 @@ async def test_ordinary_work_still_works(sb: Sandboxes) -> None:
         echo 'export A=1' > .envrc
         echo not-a-key > key.txt
         mkdir pem && echo inside > pem/file
-        mkdir repo && cd repo && {git} init -q && echo hi > README && {git} add README
+        cd repo && echo hi > README && {git} add README
         {git} commit -qm first && cd ..
         tar xf tree.tar
         {PYTHON} -c "import compileall, sys; sys.exit(not compileall.compile_dir('pem', quiet=1))"

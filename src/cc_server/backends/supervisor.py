@@ -260,9 +260,15 @@ class CreateRefused:
     which tells the command that made the call (runtime/session_sandbox.py)."""
 
     @property
+    def action(self) -> str:
+        """The reference page's verb: a rename (either side) or the creation of a name."""
+        return "file-write-rename" if self.syscall.startswith("rename") else "file-write-create"
+
+    @property
     def raw(self) -> str:
         """One line for logs and SandboxViolation.raw."""
-        return f"{self.syscall}: refused to create {self.name!r} (matches {self.glob!r})"
+        verb = "rename" if self.action == "file-write-rename" else "create"
+        return f"{self.syscall}: refused to {verb} {self.name!r} (matches {self.glob!r})"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -53,7 +53,6 @@ KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to 
 # process group (setsid on `none`) can hold them open forever; it must not hold the execution.
 PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
 HANDOFF_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's egress listeners arriving
-CREATE_VIOLATION: Final = "file-write-create"  # SandboxViolation.action of a refused new name
 log = logging.getLogger("cc_server.runtime")
 
 
@@ -207,7 +206,7 @@ class SandboxHandle:
         when it is known to have made the call, else of every running one."""
         if isinstance(report, CreateRefused):
             self.record_violation(
-                SandboxViolation(action=CREATE_VIOLATION, target=report.target, raw=report.raw),
+                SandboxViolation(action=report.action, target=report.target, raw=report.raw),
                 execution,
             )
         else:
