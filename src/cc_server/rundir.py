@@ -36,6 +36,7 @@ __all__ = [
 BASE_DIR_NAME: Final = "cc-server"
 REGISTRY_NAME: Final = "bases"  # in the canonical base: one file per other base, naming it
 MAX_REGISTERED: Final = 256  # entries read from the registry; a user has a handful of bases
+MAX_SCANNED: Final = 4096  # entries looked at (those of bases that are gone are removed)
 
 
 def egress_base_dir(
@@ -136,12 +137,21 @@ def known_base_dirs(
     registry = os.path.join(_canonical_base(), REGISTRY_NAME)
     if _private_dir(_canonical_base()) is not None and _private_dir(registry) is not None:
         with contextlib.suppress(OSError):
-            for name in sorted(os.listdir(registry))[:MAX_REGISTERED]:
+            live = 0
+            for name in sorted(os.listdir(registry))[:MAX_SCANNED]:
+                if live == MAX_REGISTERED:
+                    break
+                entry = os.path.join(registry, name)
                 with (
                     contextlib.suppress(OSError, UnicodeDecodeError),
-                    open(os.path.join(registry, name), encoding="utf-8") as f,
+                    open(entry, encoding="utf-8") as f,
                 ):
-                    candidates.append(f.read(4096))
+                    base = f.read(4096)
+                    if not os.path.isdir(base):  # gone: forget it, so live ones stay in reach
+                        os.unlink(entry)
+                        continue
+                    candidates.append(base)
+                    live += 1
     found: list[str] = []
     for candidate in candidates:
         if not os.path.isabs(candidate):

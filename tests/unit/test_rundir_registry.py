@@ -1,0 +1,29 @@
+"""The registry of base directories: what it names is found, what is gone is forgotten (so the
+live ones stay within the read limit however many test servers came and went)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from cc_server import rundir
+
+
+def test_a_gone_base_is_forgotten_and_a_live_one_found() -> None:
+    live_tmp = tempfile.mkdtemp(prefix="ccr-", dir="/tmp")
+    gone_tmp = tempfile.mkdtemp(prefix="ccr-", dir="/tmp")
+    try:
+        live = rundir.egress_base_dir({"TMPDIR": live_tmp}, tmp_dir=live_tmp)
+        gone = rundir.egress_base_dir({"TMPDIR": gone_tmp}, tmp_dir=gone_tmp)
+        registry = os.path.join(f"/tmp/{rundir.BASE_DIR_NAME}-{os.geteuid()}", "bases")
+        entries = set(os.listdir(registry))
+        shutil.rmtree(gone_tmp)
+        found = rundir.known_base_dirs(environ={})
+        assert os.path.realpath(live) in found
+        assert os.path.realpath(gone) not in found
+        after = set(os.listdir(registry))
+        assert len(entries - after) >= 1  # the gone base's entry was removed
+    finally:
+        shutil.rmtree(live_tmp, ignore_errors=True)
+        shutil.rmtree(gone_tmp, ignore_errors=True)
