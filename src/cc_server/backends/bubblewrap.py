@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_argv
-from cc_server.backends.identity import STAGE_DIR
+from cc_server.backends.identity import STAGE_DIR, session_identity
 from cc_server.backends.plan import (
     Command,
     CreateRules,
@@ -508,6 +508,8 @@ def plan_bubblewrap(
             "`cc-server probe`), so the run is refused",
             fix="build cc-identity with scripts/bootstrap, or run the server as a non-root user",
         )
+    else:
+        identity = session_identity(identity, policy.session_id)
     try:
         bpf = filter_bpf()
     except OSError as exc:

@@ -18,10 +18,15 @@ A non-root server keeps bubblewrap's own mapping: the sandbox is the server's ui
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
+import zlib
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from cc_server.backends.plan import SandboxIdentity
 
 __all__ = [
     "IDENTITY_TOOL",
@@ -30,14 +35,19 @@ __all__ = [
     "STAGE_DIR",
     "IdentityCheck",
     "check_identity",
+    "is_sandbox_uid",
     "sandbox_uids",
+    "session_identity",
 ]
 
-# One uid and gid for every sandbox of a root server, owned by nothing on the host: above the
-# ranges useradd (1000-60000) and systemd's dynamic users (61184-65519) take, and above the
-# subordinate ranges useradd hands out (100000 + 65536 n, for the first 28,000 users).
+# The uids and gids of a root server's sandboxes, owned by nothing on the host: above the ranges
+# useradd (1000-60000) and systemd's dynamic users (61184-65519) take, and above the subordinate
+# ranges useradd hands out (100000 + 65536 n, for the first 28,000 users). Each session gets its
+# own from the range (`session_identity`), so per-user kernel counts (inotify instances and
+# watches, RLIMIT_NPROC) are not shared between sessions; SANDBOX_UID itself is the selftest's.
 SANDBOX_UID: Final = 0x7000_0000
 SANDBOX_GID: Final = 0x7000_0000
+SANDBOX_ID_RANGE: Final = 0x1_0000  # ids per server: SANDBOX_UID .. SANDBOX_UID + range - 1
 # Where the helper stages the idmapped binds, in its own mount namespace. /dev/shm exists on every
 # Linux host; bubblewrap's `--dev /dev` makes the sandbox a /dev of its own, so the host's
 # /dev/shm is never a source of the plan.
@@ -50,11 +60,33 @@ _BUILD_HINT: Final = (
 )
 
 
-def sandbox_uids() -> frozenset[int]:
+def session_identity(identity: SandboxIdentity, session_id: str) -> SandboxIdentity:
+    """The identity of one session's sandboxes: the range's base plus a stable offset from the
+    session id (two sessions share ids only by a 1-in-65,536 chance, and then only their
+    per-user kernel counts). Pure."""
+    offset = zlib.crc32(session_id.encode()) % SANDBOX_ID_RANGE
+    return dataclasses.replace(identity, uid=identity.uid + offset, gid=identity.gid + offset)
+
+
+def is_sandbox_uid(uid: int) -> bool:
+    """Whether `uid` is one of a root server's sandbox identities."""
+    return SANDBOX_UID <= uid < SANDBOX_UID + SANDBOX_ID_RANGE
+
+
+class _SandboxUids:
+    """The host uids this server's sandboxed processes run as (`in` only)."""
+
+    def __init__(self, own: int) -> None:
+        self.own = own
+
+    def __contains__(self, uid: object) -> bool:
+        return uid == self.own or (self.own == 0 and isinstance(uid, int) and is_sandbox_uid(uid))
+
+
+def sandbox_uids() -> _SandboxUids:
     """The host uids this server's sandboxed processes run as: its own, and the sandbox
-    identity's when it is root. What a uid check on a local socket or in /proc must accept."""
-    uid = os.geteuid()
-    return frozenset({uid, SANDBOX_UID} if uid == 0 else {uid})
+    identities' when it is root. What a uid check on a local socket or in /proc must accept."""
+    return _SandboxUids(os.geteuid())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

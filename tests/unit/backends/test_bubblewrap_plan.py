@@ -18,6 +18,7 @@ from cc_server.backends.bubblewrap import (
     plan_bubblewrap,
 )
 from cc_server.backends.egress_bridge import BRIDGE_DIR
+from cc_server.backends.identity import session_identity
 from cc_server.backends.plan import Command, EgressBridge, FdArg, LaunchPlan, SandboxIdentity
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
@@ -836,6 +837,13 @@ def test_procfs_knobs_are_read_only_and_the_kernel_s_secrets_masked() -> None:
 IDENTITY = SandboxIdentity(helper="/opt/cc/cc-identity", uid=0x7000_0000, gid=0x7000_0000)
 
 
+def test_each_session_gets_its_own_identity_from_the_range() -> None:
+    ids = {session_identity(IDENTITY, f"s{i}").uid for i in range(200)}
+    assert len(ids) >= 195  # a 1-in-65,536 chance of sharing, per pair
+    assert all(IDENTITY.uid <= u < IDENTITY.uid + 0x1_0000 for u in ids)
+    assert session_identity(IDENTITY, "s1") == session_identity(IDENTITY, "s1")
+
+
 def _root_host(**kwargs: Any) -> HostFacts:
     return dataclasses.replace(make_host(**kwargs), server_is_root=True)
 
@@ -859,11 +867,12 @@ def test_a_root_server_starts_bwrap_as_its_identity_with_every_bind_staged() -> 
         policy, Command(argv=("true",)), host=host, bwrap=BWRAP, identity=IDENTITY
     )
     argv = [str(a) for a in got.argv]
-    assert got.identity == IDENTITY
+    mine = session_identity(IDENTITY, policy.session_id)  # the session's own from the range
+    assert got.identity == mine and mine.uid != IDENTITY.uid
     roots = argv[argv.index("--stage") + 2 : argv.index("--")]
     assert roots == ["--map", "/work", "--map", "/data", "--map", "/work/state"]
     assert argv[: argv.index("--stage")] == [
-        "/opt/cc/cc-identity", "--uid", str(IDENTITY.uid), "--gid", str(IDENTITY.gid),
+        "/opt/cc/cc-identity", "--uid", str(mine.uid), "--gid", str(mine.gid),
     ]  # fmt: skip
     bwrap_argv = argv[argv.index("--") + 1 :]
     assert bwrap_argv[:4] == [BWRAP, "--unshare-user", "--uid", "0"]
