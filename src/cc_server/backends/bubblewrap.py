@@ -7,7 +7,7 @@ argv is built in the launch order `docs/launch.md` lists, one numbered step per 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_argv
@@ -403,7 +403,10 @@ _BIND_OPTIONS = frozenset({"--bind", "--ro-bind"})
 
 
 def _step_identity(
-    argv: list[_Word], identity: SandboxIdentity | None, roots: Sequence[str]
+    argv: list[_Word],
+    identity: SandboxIdentity | None,
+    roots: Sequence[str],
+    realpath: Callable[[str], str] = lambda path: path,
 ) -> list[_Word]:
     # 0. A root server's sandbox runs as its sandbox identity (backends/identity.py): the helper
     #    stages each root below idmapped at STAGE_DIR/<n>, drops to the identity and runs bwrap,
@@ -436,6 +439,8 @@ def _step_identity(
         out.append(word)
         if isinstance(word, str) and word in _BIND_OPTIONS:
             source = next(words)
+            if isinstance(source, str) and not any(_under(source, r) for r in staged):
+                source = realpath(source)  # a tool path spelled through a symlink
             for i in by_depth:
                 if isinstance(source, str) and _under(source, staged[i]):
                     source = f"{STAGE_DIR}/{i}{source[len(staged[i]):]}"
@@ -552,10 +557,10 @@ def plan_bubblewrap(
     argv += ["--", *inner_argv]
     roots = [m.host_path for m in sorted(policy.mounts, key=lambda m: m.host_path.count("/"))]
     if create_rules is not None and launcher_args:
-        roots.append(create_rules.launcher)
+        roots.append(host.realpath(create_rules.launcher))  # the helper refuses a symlink
     if command.egress is not None and BRIDGE_DIR in argv:
-        roots.append(command.egress.socket_dir)
-    argv = _step_identity(argv, identity, roots)
+        roots.append(host.realpath(command.egress.socket_dir))
+    argv = _step_identity(argv, identity, roots, host.realpath)
 
     env = dict(command.env)
     env.setdefault("PATH", DEFAULT_PATH)

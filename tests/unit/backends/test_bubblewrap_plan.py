@@ -15,6 +15,7 @@ from cc_server.backends.bubblewrap import (
     DEFAULT_PATH,
     SANDBOX_HOSTNAME,
     SYSTEM_RO_PATHS,
+    CreateRuleTools,
     plan_bubblewrap,
 )
 from cc_server.backends.egress_bridge import BRIDGE_DIR
@@ -903,3 +904,20 @@ def test_a_non_root_server_ignores_the_identity() -> None:
         host=host, bwrap=BWRAP, identity=IDENTITY,
     )  # fmt: skip
     assert got.argv[0] == BWRAP and got.identity is None
+
+
+def test_a_root_server_stages_a_tool_spelled_through_a_symlink_by_its_real_path() -> None:
+    # cc-identity refuses a root with a symlink in it: the planner names the real path.
+    host = _root_host(dirs={"/work", "/srv/cc"}, files={"/srv/cc/cc-create-launcher"},
+                      links={"/opt/cc": "/srv/cc"})
+    got = plan_bubblewrap(
+        make_policy(host, bindMounts=[{"hostPath": "/work"}]),
+        Command(argv=("true",), egress=EgressBridge(socket_dir="/run/cc-test")),
+        host=host, bwrap=BWRAP, identity=IDENTITY,
+        create_rules=CreateRuleTools(launcher="/opt/cc/cc-create-launcher", library="/opt/cc/l.so"),
+    )  # fmt: skip
+    argv = [str(a) for a in got.argv]
+    maps = [argv[i + 1] for i, w in enumerate(argv[: argv.index("--")]) if w == "--map"]
+    assert maps == ["/work", "/srv/cc/cc-create-launcher"]
+    at = argv.index("/run/cc-create/launcher")
+    assert argv[at - 2 : at] == ["--ro-bind", "/dev/shm/1"]
