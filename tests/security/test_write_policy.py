@@ -11,7 +11,6 @@ sandbox-runtime `test/sandbox/mandatory-deny-paths.test.ts` (shell rc files, `.g
 
 from __future__ import annotations
 
-import os
 import pathlib
 import subprocess
 import tarfile
@@ -56,6 +55,12 @@ ESCAPES: dict[str, tuple[str, str]] = {
     "hooks-moved-away": ("mv repoA/.git/hooks repoA/.git/hooks.old", "repoA/.git/hooks.old"),
     "ssh-authorized": ("mkdir -p home/.ssh", "home/.ssh"),
     "pointer-rewrite": ("printf 'gitdir: .evil\\n' > linked/.git", "linked/.git"),
+    "worktree-commondir": ("echo /evil > repoA/.git/worktrees/w/commondir",
+                           "repoA/.git/worktrees/w/commondir"),
+    "hard-link-alias": ("ln repoA/.git/config alias && echo evil >> alias", "repoA/.git/config"),
+    "xdg-git-config": ("mkdir -p home/.config/git && echo evil > home/.config/git/config",
+                       "home/.config/git"),
+    "bash-aliases": ("echo evil > home/.bash_aliases", "home/.bash_aliases"),
 }
 
 
@@ -68,6 +73,9 @@ def _plant(wt: pathlib.Path) -> dict[str, bytes | None]:
     (wt / "linked").mkdir()
     (wt / "linked" / ".git").write_text("gitdir: /nonexistent/.git/worktrees/linked\n")
     (wt / "home").mkdir()
+    (wt / "home" / ".config").mkdir()
+    (wt / "repoA" / ".git" / "worktrees" / "w").mkdir(parents=True)
+    (wt / "repoA" / ".git" / "worktrees" / "w" / "commondir").write_text("../..\n")
     return {rel: _read(wt / rel) for _, rel in ESCAPES.values()}
 
 
@@ -111,7 +119,8 @@ async def test_a_protected_path_missing_at_launch_cannot_be_made(sb: Sandboxes) 
 
 async def test_ordinary_work_still_works(sb: Sandboxes, tmp_path: pathlib.Path) -> None:
     # The control for every refusal above: editing, new source files, an archive, a venv, and
-    # git in the worktree's own repository (made by the host), a worktree of it in /tmp.
+    # git in the worktree's own repository (made by the host): commit, branch, checkout. (`git
+    # worktree add` is refused: it writes the new worktree's commondir into .git/worktrees.)
     wt = sb.worktree
     _repo(wt)
     (wt / "main.py").write_text("print('v1')\n")
@@ -130,10 +139,9 @@ async def test_ordinary_work_still_works(sb: Sandboxes, tmp_path: pathlib.Path) 
         f"tar -xf {archive}; ls pkg | wc -l; "
         "python3 -m venv --without-pip venv; test -x venv/bin/python3; "
         "git add -A && git commit -qm work && git log --oneline | wc -l; "
-        "git worktree add -q /tmp/wt2 && test -e /tmp/wt2/main.py; echo done"
+        "git checkout -qb topic && git checkout -q -; echo done"
     ), timeout_s=60)  # fmt: skip
     out = output(result)
     assert out.splitlines()[-3:] == ["200", "1", "done"], out
     assert (wt / "main.py").read_text() == "print('v2')\n"
     assert not [v for v in handle.violations if v.action.startswith("file-write-")], out
-    assert os.path.isdir(wt / ".git" / "worktrees" / "wt2")

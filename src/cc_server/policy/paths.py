@@ -120,6 +120,12 @@ PROTECTED_PATTERNS: Final[tuple[tuple[str, str], ...]] = (
         if not rel.startswith(".claude/")
     ),
     (".git", "a new repository or worktree pointer: its config and hooks run on the host"),
+    (".git/worktrees/*/commondir", "points a linked worktree at another repository's hooks"),
+    (".git/worktrees/*/config.worktree", "a linked worktree's git config: hooksPath, fsmonitor"),
+    (".config/git/**", "git's XDG global config: hooksPath, pager, fsmonitor run code"),
+    (".bash_aliases", "shell rc: sourced by Debian's default .bashrc"),
+    (".config/autostart/**", "desktop autostart entries run at login"),
+    (".config/systemd/**", "systemd user units run on the host"),
     (".claude/**", "Claude config: hooks, commands, agents and settings"),
     (".claude.json", "Claude config: MCP servers and project settings"),
     (".ssh/**", "SSH keys and authorized_keys: a login on the host"),

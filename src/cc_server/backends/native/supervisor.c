@@ -1932,6 +1932,14 @@ static void do_link(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd
             res_close(&ro);
         }
     }
+    /* A second name for a protected file would let an O_CREAT open of the alias write it. */
+    struct stat ost;
+    const char *oglob;
+    if (!err && fstat(obj, &ost) == 0 && ost.st_nlink > 0 && path_refused(s, obj, "", &oglob)) {
+        refuse(q, oldp, oldp, oglob);
+        close_fd(&obj);
+        return;
+    }
     struct resolved rn;
     res_init(&rn);
     bool refused = false;
