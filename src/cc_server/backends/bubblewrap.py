@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cc_server.backends.egress_bridge import BRIDGE_DIR, bridge_env, bridged_argv
-from cc_server.backends.identity import STAGE_DIR, session_identity
+from cc_server.backends.identity import identity_argv, session_identity
 from cc_server.backends.plan import (
     Command,
     CreateRules,
@@ -399,14 +399,11 @@ def _step_launcher(
     return bind, (*wrapped, "--", *argv), rules, handoff
 
 
-_BIND_OPTIONS = frozenset({"--bind", "--ro-bind"})
-
-
 def _step_identity(
     argv: list[_Word],
     identity: SandboxIdentity | None,
     roots: Sequence[str],
-    realpath: Callable[[str], str] = lambda path: path,
+    realpath: Callable[[str], str],
 ) -> list[_Word]:
     # 0. A root server's sandbox runs as its sandbox identity (backends/identity.py): the helper
     #    stages each root below idmapped at STAGE_DIR/<n>, drops to the identity and runs bwrap,
@@ -416,37 +413,7 @@ def _step_identity(
         return argv
     if not posixpath.isabs(identity.helper):
         raise EnforcementFailed(f"{identity.helper!r} is not absolute; it must come from the probe")
-    staged: list[str] = []
-    for root in roots:
-        if _under(root, STAGE_DIR) or _under(STAGE_DIR, root):
-            raise BadSpec(
-                f"bind mount {root!r} overlaps {STAGE_DIR}, where a root server stages its binds",
-                fix=f"bind a directory outside {STAGE_DIR}",
-            )
-        if root not in staged:
-            staged.append(root)
-    # Longest first, so a source below a nested bind comes from that bind's own stage.
-    by_depth = sorted(range(len(staged)), key=lambda i: -len(staged[i]))
-    out: list[_Word] = [
-        identity.helper, "--uid", str(identity.uid), "--gid", str(identity.gid),
-        "--stage", STAGE_DIR,
-    ]  # fmt: skip
-    for root in staged:
-        out += ["--map", root]
-    out.append("--")
-    words = iter(argv)
-    for word in words:
-        out.append(word)
-        if isinstance(word, str) and word in _BIND_OPTIONS:
-            source = next(words)
-            if isinstance(source, str) and not any(_under(source, r) for r in staged):
-                source = realpath(source)  # a tool path spelled through a symlink
-            for i in by_depth:
-                if isinstance(source, str) and _under(source, staged[i]):
-                    source = f"{STAGE_DIR}/{i}{source[len(staged[i]):]}"
-                    break
-            out.append(source)
-    return out
+    return identity_argv(argv, identity, roots, realpath)
 
 
 def plan_bubblewrap(

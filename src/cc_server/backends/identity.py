@@ -22,8 +22,11 @@ import dataclasses
 import os
 import subprocess
 import zlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeVar
+
+from cc_server.errors import BadSpec
 
 if TYPE_CHECKING:
     from cc_server.backends.plan import SandboxIdentity
@@ -35,6 +38,7 @@ __all__ = [
     "STAGE_DIR",
     "IdentityCheck",
     "check_identity",
+    "identity_argv",
     "is_sandbox_uid",
     "sandbox_uids",
     "session_identity",
@@ -58,6 +62,73 @@ _NATIVE_DIR: Final = os.path.join(os.path.dirname(os.path.abspath(__file__)), "n
 _BUILD_HINT: Final = (
     "build it with scripts/bootstrap (needs gcc), or run the server as a non-root user"
 )
+
+
+_W = TypeVar("_W")
+_BIND_OPTIONS: Final = frozenset({"--bind", "--ro-bind"})
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _staged(
+    source: str, staged: Sequence[str], by_depth: Sequence[int], realpath: Callable[[str], str]
+) -> str:
+    if not any(_under(source, r) for r in staged):
+        source = realpath(source)
+    for i in by_depth:
+        if _under(source, staged[i]):
+            return f"{STAGE_DIR}/{i}{source[len(staged[i]):]}"
+    return source
+
+
+def identity_argv(
+    bwrap_argv: Sequence[_W],
+    identity: SandboxIdentity,
+    roots: Sequence[str],
+    realpath: Callable[[str], str] = lambda path: path,
+) -> list[_W | str]:
+    """`cc-identity --uid U --gid G --stage STAGE_DIR --map ROOT... -- BWRAP_ARGV`, each
+    `--bind`/`--ro-bind` source below a root taking its path from that root's stage (the
+    innermost one). Only bubblewrap's own options are read: what follows its `--` (the command,
+    or QEMU's argv) is passed on as it is. A source below no root is named by its real path (a
+    tool spelled through a symlink); system paths, /dev/null and /proc stay as any uid reads
+    them. Pure.
+
+    Raises:
+        BadSpec: a root is at or above STAGE_DIR, or below it.
+    """
+    staged: list[str] = []
+    for root in roots:
+        if _under(root, STAGE_DIR) or _under(STAGE_DIR, root):
+            raise BadSpec(
+                f"bind mount {root!r} overlaps {STAGE_DIR}, where a root server stages its binds",
+                fix=f"bind a directory outside {STAGE_DIR}",
+            )
+        if root not in staged:
+            staged.append(root)
+    # Longest first, so a source below a nested root comes from that root's own stage.
+    by_depth = sorted(range(len(staged)), key=lambda i: -len(staged[i]))
+    out: list[_W | str] = [
+        identity.helper, "--uid", str(identity.uid), "--gid", str(identity.gid),
+        "--stage", STAGE_DIR,
+    ]  # fmt: skip
+    for root in staged:
+        out += ["--map", root]
+    out.append("--")
+    words = iter(bwrap_argv)
+    for word in words:
+        out.append(word)
+        if word == "--":
+            out.extend(words)
+            break
+        if isinstance(word, str) and word in _BIND_OPTIONS:
+            source = next(words)
+            out.append(_staged(source, staged, by_depth, realpath) if isinstance(source, str)
+                       else source)  # fmt: skip
+            continue
+    return out
 
 
 def session_identity(identity: SandboxIdentity, session_id: str) -> SandboxIdentity:

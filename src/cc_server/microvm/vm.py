@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any, Final
 
 from cc_server.backends.bubblewrap import PROC_MASKED, PROC_READ_ONLY
-from cc_server.backends.identity import STAGE_DIR
+from cc_server.backends.identity import identity_argv
 from cc_server.backends.plan import FdArg, LaunchPlan, SandboxIdentity
 from cc_server.backends.runner import start
-from cc_server.errors import BadSpec, EnforcementFailed
+from cc_server.errors import EnforcementFailed
 from cc_server.microvm.image import GuestImage
 from cc_server.policy import SandboxBackend
 
@@ -239,54 +239,9 @@ def confined_argv(
     out += ["--", *argv]
     if confinement.identity is None:
         return tuple(out)
-    return _as_identity(out, confinement.identity, roots)
+    return tuple(identity_argv(out, confinement.identity, roots))
 
 
-_BIND_OPTIONS: Final = frozenset({"--bind", "--ro-bind"})
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def _as_identity(
-    bwrap_argv: list[str | FdArg], identity: SandboxIdentity, roots: Sequence[str]
-) -> tuple[str | FdArg, ...]:
-    """`cc-identity ... -- bwrap_argv`, each bind below a root taking its source from the root's
-    stage (backends/identity.py; the native plan does the same). System paths, /dev/null and
-    /proc stay as they are: any uid reads them."""
-    staged: list[str] = []
-    for root in roots:
-        if _under(root, STAGE_DIR) or _under(STAGE_DIR, root):
-            raise BadSpec(
-                f"bind mount {root!r} overlaps {STAGE_DIR}, where a root server stages its binds",
-                fix=f"bind a directory outside {STAGE_DIR}",
-            )
-        if root not in staged:
-            staged.append(root)
-    by_depth = sorted(range(len(staged)), key=lambda i: -len(staged[i]))
-    out: list[str | FdArg] = [
-        identity.helper, "--uid", str(identity.uid), "--gid", str(identity.gid),
-        "--stage", STAGE_DIR,
-    ]  # fmt: skip
-    for root in staged:
-        out += ["--map", root]
-    out.append("--")
-    words = iter(bwrap_argv)
-    for word in words:
-        out.append(word)
-        if word == "--":  # QEMU's own argv: passed on as it is
-            out.extend(words)
-            break
-        if isinstance(word, str) and word in _BIND_OPTIONS:
-            source = next(words)
-            assert isinstance(source, str)
-            for i in by_depth:
-                if _under(source, staged[i]):
-                    source = f"{STAGE_DIR}/{i}{source[len(staged[i]):]}"
-                    break
-            out.append(source)
-    return tuple(out)
 
 
 class QmpError(EnforcementFailed):

@@ -921,3 +921,14 @@ def test_a_root_server_stages_a_tool_spelled_through_a_symlink_by_its_real_path(
     assert maps == ["/work", "/srv/cc/cc-create-launcher"]
     at = argv.index("/run/cc-create/launcher")
     assert argv[at - 2 : at] == ["--ro-bind", "/dev/shm/1"]
+
+
+def test_a_root_servers_command_words_are_never_rewritten_as_bind_sources() -> None:
+    # Only bwrap's own options are staged: a command that says `--bind /work/x` keeps its words.
+    host = _root_host(dirs={"/work"})
+    got = plan_bubblewrap(
+        make_policy(host, bindMounts=[{"hostPath": "/work"}]),
+        Command(argv=("tool", "--bind", "/work/x", "--ro-bind", "/work")),
+        host=host, bwrap=BWRAP, identity=IDENTITY,
+    )  # fmt: skip
+    assert [str(a) for a in got.argv[-5:]] == ["tool", "--bind", "/work/x", "--ro-bind", "/work"]
