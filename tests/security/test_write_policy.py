@@ -61,6 +61,10 @@ ESCAPES: dict[str, tuple[str, str]] = {
     "xdg-git-config": ("mkdir -p home/.config/git && echo evil > home/.config/git/config",
                        "home/.config/git"),
     "bash-aliases": ("echo evil > home/.bash_aliases", "home/.bash_aliases"),
+    # A bare repository's shape in any other directory (host git's default
+    # safe.bareRepository=all honours its config): its HEAD is what is refused.
+    "bare-repository": ("mkdir -p a/objects a/refs && printf '[core]\\n\\tfsmonitor = evil\\n'"
+                        " > a/config && echo 'ref: refs/heads/main' > a/HEAD", "a/HEAD"),
 }
 
 
@@ -139,7 +143,8 @@ async def test_ordinary_work_still_works(sb: Sandboxes, tmp_path: pathlib.Path) 
         f"tar -xf {archive}; ls pkg | wc -l; "
         "python3 -m venv --without-pip venv; test -x venv/bin/python3; "
         "git add -A && git commit -qm work && git log --oneline | wc -l; "
-        "git checkout -qb topic && git checkout -q -; echo done"
+        "git checkout -qb topic && git checkout -q - && git log -g --oneline | grep -q .; "
+        "echo done"
     ), timeout_s=60)  # fmt: skip
     out = output(result)
     assert out.splitlines()[-3:] == ["200", "1", "done"], out

@@ -655,6 +655,20 @@ static bool pattern_hits(const struct ccs *s, const char *rel, const char *name,
     return false;
 }
 
+/* A `HEAD` anywhere but in a repository's own git directory: with `objects/` and `refs/` beside
+ * it, host git takes that directory for a bare repository (its default safe.bareRepository=all)
+ * and honours its `config` (core.fsmonitor runs at the next `git status` below it). git itself
+ * writes a `HEAD` only inside a `.git` directory. */
+#define BARE_HEAD "HEAD outside a .git directory: host git would take its directory for a bare " \
+                  "repository and run what its config names"
+static bool bare_head(const char *rel, const char *name) {
+    if (strcmp(name, "HEAD") != 0)
+        return false;
+    /* In a repository's own git directory, at any depth (logs/HEAD, refs/remotes/x/HEAD,
+     * worktrees/<name>/HEAD) it is git's. */
+    return !(strncmp(rel, ".git/", 5) == 0 || strstr(rel, "/.git/") != NULL);
+}
+
 /* Whether the path rules refuse `full` (an absolute path in the task's view): an absolute
  * path at or below it, else a pattern matching the components below the innermost scope root
  * that holds it, unless an exempt root (a runner's own state directory) holds it. */
@@ -685,7 +699,13 @@ static bool full_path_refused(const struct ccs *s, const char *full, const char 
     const char *rel = full + best;
     while (*rel == '/')
         rel++;
-    return *rel != '\0' && pattern_hits(s, rel, name, which);
+    if (*rel == '\0')
+        return false;
+    if (bare_head(rel, name)) {
+        *which = BARE_HEAD;
+        return true;
+    }
+    return pattern_hits(s, rel, name, which);
 }
 
 /* The path rules for `name` in the pinned directory `dir_fd`: its path in the task's view is the
