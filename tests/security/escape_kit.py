@@ -137,3 +137,36 @@ def grep_pattern(marker: str) -> str:
     """
     half = len(marker) // 2
     return f"{marker[:half]}[{marker[half]}]{marker[half + 1 :]}"
+
+
+# What an attacker inside a sandbox sends the daemon: stdlib only, run by the system Python.
+DAEMON_ATTACK = """
+import json, os, socket, struct, sys
+path, marker = sys.argv[1], sys.argv[2]
+print("visible", os.path.exists(path))
+s = socket.socket(socket.AF_UNIX)
+try:
+    s.connect(path)
+except OSError as exc:
+    print("connect-failed", exc.errno)
+    sys.exit(0)
+request = {"argv": ["run", "--backend", "none", "--", "/usr/bin/touch", marker],
+           "cwd": "/", "env": {}}
+data = json.dumps(request).encode()
+fd = os.open("/dev/null", os.O_RDWR)
+socket.send_fds(s, [struct.pack("!I", len(data)) + data], [fd, fd, fd])
+s.settimeout(30)
+try:
+    print("reply", s.recv(4096))
+except OSError as exc:
+    print("recv-failed", exc)
+"""
+
+
+def daemon_attack_script(where: pathlib.Path) -> pathlib.Path:
+    """The attack on a CLI daemon's socket (`DAEMON_ATTACK`: python3 SCRIPT SOCKET MARKER asks
+    it to `run --backend none -- touch MARKER`), written to `where`."""
+    script = where / "attack.py"
+    script.write_text(DAEMON_ATTACK)
+    script.chmod(0o755)
+    return script

@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from escape_kit import Sandboxes, host_pids_with, unique, wait_until
+from escape_kit import Sandboxes, daemon_attack_script, host_pids_with, unique, wait_until
 from other_user import OtherUser, remove
 
 from cc_server.backends.identity import is_sandbox_uid
@@ -366,25 +366,6 @@ def test_as_an_unprivileged_user_the_supervisor_opens_no_kernel_object(
 
 # --- the CLI daemon of another base directory, as an unprivileged user -----------------------
 
-DAEMON_ATTACK = """
-import json, os, socket, struct, sys
-path, marker = sys.argv[1], sys.argv[2]
-print("visible", os.path.exists(path))
-s = socket.socket(socket.AF_UNIX)
-try:
-    s.connect(path)
-except OSError as exc:
-    print("connect-failed", exc.errno); sys.exit(0)
-data = json.dumps({"argv": ["run", "--backend", "none", "--", "/usr/bin/touch", marker],
-                   "cwd": "/", "env": {}}).encode()
-fd = os.open("/dev/null", os.O_RDWR)
-socket.send_fds(s, [struct.pack("!I", len(data)) + data], [fd, fd, fd])
-s.settimeout(20)
-try:
-    print("reply", s.recv(4096))
-except OSError as exc:
-    print("recv-failed", exc)
-"""
 
 
 def test_as_an_unprivileged_user_a_daemon_in_another_base_runs_nothing(
@@ -402,8 +383,7 @@ def test_as_an_unprivileged_user_a_daemon_in_another_base_runs_nothing(
     )  # fmt: skip
     assert where.returncode == 0, where.stderr
     sock = os.path.join(where.stdout.strip(), "cli-attack-test.sock")
-    script = tmpdir / "attack.py"  # inside what the sandbox binds
-    script.write_text(DAEMON_ATTACK)
+    script = daemon_attack_script(tmpdir)  # inside what the sandbox binds
     marker = pathlib.Path("/var/tmp") / unique("cc-pwned")  # /var/tmp is private inside
     log = open(user_dir / "daemon.log", "wb")  # noqa: SIM115 (closed in finally)
     daemon = subprocess.Popen(

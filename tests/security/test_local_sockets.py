@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from escape_kit import daemon_attack_script
 from server_kit import running_server
 
 from cc_server.cli_client import receive_message, send_message
@@ -35,28 +36,6 @@ CLI = [sys.executable, "-m", "cc_server.cli_client"]
 DAEMON_START_S = 30.0  # the daemon probes once before it listens
 RUN_TIMEOUT_S = 60
 
-# What an attacker inside a sandbox sends the daemon: stdlib only, run by the system Python.
-ATTACK = """
-import json, os, socket, struct, sys
-path, marker = sys.argv[1], sys.argv[2]
-print("visible", os.path.exists(path))
-s = socket.socket(socket.AF_UNIX)
-try:
-    s.connect(path)
-except OSError as exc:
-    print("connect-failed", exc.errno)
-    sys.exit(0)
-request = {"argv": ["run", "--backend", "none", "--", "/usr/bin/touch", marker],
-           "cwd": "/", "env": {}}
-data = json.dumps(request).encode()
-fd = os.open("/dev/null", os.O_RDWR)
-socket.send_fds(s, [struct.pack("!I", len(data)) + data], [fd, fd, fd])
-s.settimeout(30)
-try:
-    print("reply", s.recv(4096))
-except OSError as exc:
-    print("recv-failed", exc)
-"""
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -92,13 +71,6 @@ def _daemon(path: str) -> Iterator[subprocess.Popen[bytes]]:
             proc.wait()
 
 
-def _attack_script(where: pathlib.Path) -> pathlib.Path:
-    script = where / "attack.py"
-    script.write_text(ATTACK)
-    script.chmod(0o755)
-    return script
-
-
 def _marker() -> pathlib.Path:
     """A host path no sandbox below can write: /var/tmp is a private tmpfs inside."""
     return pathlib.Path("/var/tmp") / f"cc-pwned-{secrets.token_hex(8)}"
@@ -125,7 +97,7 @@ def test_the_cli_daemon_refuses_a_peer_in_another_namespace(
     run_dir = tmp_path / "run"
     run_dir.mkdir(mode=0o700)
     sock = str(run_dir / f"cli-{secrets.token_hex(4)}.sock")
-    script = _attack_script(tmp_path)
+    script = daemon_attack_script(tmp_path)
     control, refused = _marker(), _marker()
     try:
         with _daemon(sock):
@@ -182,7 +154,7 @@ def test_a_sandbox_binding_a_second_base_directory_runs_nothing_on_the_host(
 ) -> None:
     sock = str(second_base / f"cli-{secrets.token_hex(4)}.sock")
     above = second_base.parent  # the other TMPDIR, bound writable by the attacker
-    script = _attack_script(above)
+    script = daemon_attack_script(above)
     marker = _marker()
     try:
         with _daemon(sock) as daemon:
@@ -209,7 +181,7 @@ def test_a_sandbox_binding_an_alias_of_a_base_directory_runs_nothing_on_the_host
     outside = pathlib.Path("/var/tmp") / f"cc-alias-{secrets.token_hex(4)}"
     alias = outside / "alias"
     alias.mkdir(parents=True)
-    script = _attack_script(outside)
+    script = daemon_attack_script(outside)
     subprocess.run(["/usr/bin/mount", "--bind", str(second_base), str(alias)], check=True)
     try:
         with _daemon(str(second_base / sock_name)):
