@@ -243,3 +243,24 @@ async def test_a_git_worktree_run_reads_git_but_cannot_write_the_checkouts_git(
         changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
         # Only `git worktree add`'s own bookkeeping (made by the server, before the run).
         assert all(k.startswith(".git/worktrees") for k in changed), changed
+
+
+async def test_a_dispatch_run_cannot_plant_a_host_run_file_in_its_worktree(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    # The write policy reaches dispatch too: the harness bash tool in a chat-mode run.
+    async with open_dispatch(tmp_path, probe_result) as d:
+        wt = d.worktrees.create("r", "c1")
+        run = await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.HARNESS)
+        done = await run.harness.run(
+            "mkdir -p sub && cd sub && git init -q; echo init=$?; cd ..; "
+            "echo evil > .bashrc; echo rc=$?; mkdir .vscode; echo vscode=$?; "
+            "echo ok > fine.txt; echo fine=$?"
+        )
+        codes = dict(word.split("=") for word in done.stdout.split())
+        assert codes["fine"] == "0" and "0" not in (codes["init"], codes["rc"], codes["vscode"])
+        tree = pathlib.Path(wt.path)
+        assert not (tree / "sub" / ".git").exists() and not (tree / ".bashrc").exists()
+        assert not (tree / ".vscode").exists() and (tree / "fine.txt").exists()
+        refused = [v for v in run.handle.violations if v.action == "file-write-create"]
+        assert len(refused) == 3, refused

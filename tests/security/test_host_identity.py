@@ -419,3 +419,42 @@ def test_as_an_unprivileged_user_a_daemon_in_another_base_runs_nothing(
         log.close()
         with contextlib.suppress(OSError):
             marker.unlink()
+
+
+# --- the same promises through the server (its own identity: root in CI) ---------------------
+
+
+async def test_through_the_server_the_identity_procfs_set_id_and_write_policy_hold(
+    tmp_path: pathlib.Path,
+) -> None:
+    from server_kit import running_server
+
+    work = tmp_path / "wt"
+    work.mkdir()
+    subprocess.run(["git", "init", "-q", str(work / "repoA")], check=True)
+    before = pathlib.Path("/proc/sys/kernel/core_pattern").read_bytes()
+    script = (
+        "awk '/^Uid:/{print \"uid\", $2}' /proc/self/status; "
+        "find /proc/sys -type f -writable 2>/dev/null | wc -l; "
+        f"cd {work} && cp /bin/true x && chmod 4755 x; echo chmod=$?; "
+        "echo evil > repoA/.git/hooks/pre-commit; echo hook=$?; "
+        "echo {{}} > .mcp.json; echo mcp=$?; echo ok > fine.txt; echo fine=$?"
+    )
+    with running_server(tmp_path) as server:
+        async with server.client() as http:
+            spec = {"sessionId": "srv-identity", "workspaceId": "w",
+                    "bindMounts": [{"hostPath": str(work)}]}  # fmt: skip
+            assert (await http.post("/v1/sandboxes", json={"spec": spec})).status == 201
+            reply = await http.post("/v1/sandboxes/srv-identity/exec",
+                                    json={"argv": ["/bin/sh", "-c", script]})  # fmt: skip
+            result = await reply.json()
+    lines = result["stdout"].splitlines()
+    assert lines[1:] == ["0", "chmod=1", "hook=2", "mcp=2", "fine=0"], result
+    assert lines[0] == "uid 0", result  # uid 0 inside, whoever it is on the host
+    actions = sorted(v["action"] for v in result["violations"])
+    assert actions == ["file-write-create", "file-write-create"], result
+    assert set_id_files(work) == []
+    assert not (work / "repoA" / ".git" / "hooks" / "pre-commit").exists()
+    assert not (work / ".mcp.json").exists() and (work / "fine.txt").exists()
+    assert os.lstat(work / "fine.txt").st_uid == os.geteuid()  # the bind owner's
+    assert pathlib.Path("/proc/sys/kernel/core_pattern").read_bytes() == before
