@@ -185,38 +185,50 @@ def _refused(what: str, sock: socket.socket, reason: str, peer: Peer | None) -> 
         sock.close()
 
 
+def _identified(sock: socket.socket, what: str) -> Peer | None:
+    try:
+        return identify(sock)
+    except PeerUnknown as exc:
+        _refused(what, sock, str(exc), None)
+        return None
+
+
+def _verdict(
+    sock: socket.socket, rule: PeerRule, peer: Peer, deadline: float, what: str
+) -> bool | None:
+    """True: serve it; False: refused (closed and logged); None: a launch is in flight, ask
+    again after SETTLE_POLL_S."""
+    reason = rule.refusal(peer)
+    if reason is None:
+        return True
+    if not rule.settling() or time.monotonic() >= deadline:
+        _refused(what, sock, reason, peer)
+        return False
+    return None
+
+
 def admit(sock: socket.socket, rule: PeerRule, *, what: str) -> bool:
     """Whether to serve the peer of `sock` under `rule`. A refused peer's socket is closed and
     the reason logged (logger `cc_server.peer`, naming `what`). May wait up to SETTLE_WAIT_S
     while a launch is in flight (blocking: for threads and synchronous servers)."""
-    try:
-        peer = identify(sock)
-    except PeerUnknown as exc:
-        _refused(what, sock, str(exc), None)
+    peer = _identified(sock, what)
+    if peer is None:
         return False
     deadline = time.monotonic() + SETTLE_WAIT_S
-    while (reason := rule.refusal(peer)) is not None:
-        if not rule.settling() or time.monotonic() >= deadline:
-            _refused(what, sock, reason, peer)
-            return False
+    while (verdict := _verdict(sock, rule, peer, deadline, what)) is None:
         time.sleep(SETTLE_POLL_S)
-    return True
+    return verdict
 
 
 async def admit_async(sock: socket.socket, rule: PeerRule, *, what: str) -> bool:
     """`admit` for the event loop: the wait for a launch in flight does not block the loop."""
-    try:
-        peer = identify(sock)
-    except PeerUnknown as exc:
-        _refused(what, sock, str(exc), None)
+    peer = _identified(sock, what)
+    if peer is None:
         return False
     deadline = time.monotonic() + SETTLE_WAIT_S
-    while (reason := rule.refusal(peer)) is not None:
-        if not rule.settling() or time.monotonic() >= deadline:
-            _refused(what, sock, reason, peer)
-            return False
+    while (verdict := _verdict(sock, rule, peer, deadline, what)) is None:
         await asyncio.sleep(SETTLE_POLL_S)
-    return True
+    return verdict
 
 
 class SameNamespaces:
