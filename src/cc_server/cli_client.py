@@ -65,7 +65,10 @@ def _eligible(argv: Sequence[str]) -> bool:
 
 
 def _peers_identifiable() -> bool:
-    """Whether this kernel hands over a peer's pidfd: without it the daemon serves nobody."""
+    """Whether this kernel hands over a peer's pidfd: without it the daemon serves nobody.
+
+    The first half of `backends.peer.supported`, kept here so that the thin client does not
+    import that module (asyncio, logging) on every run; the daemon itself asks `peer`."""
     try:
         a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     except OSError:
