@@ -150,3 +150,15 @@ async def test_ordinary_work_still_works(sb: Sandboxes, tmp_path: pathlib.Path) 
     assert out.splitlines()[-3:] == ["200", "1", "done"], out
     assert (wt / "main.py").read_text() == "print('v2')\n"
     assert not [v for v in handle.violations if v.action.startswith("file-write-")], out
+
+
+async def test_a_git_directory_bound_on_its_own_is_judged_by_its_place(sb: Sandboxes) -> None:
+    # A writable bind nested in another is matched from the outer bind's root: `.git` bound
+    # by itself is still a `.git`, so `hooks/pre-commit` inside it is `.git/hooks/pre-commit`.
+    wt = sb.worktree
+    _repo(wt / "repoA")
+    git_dir = wt / "repoA" / ".git"
+    handle = sb.launch(bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(git_dir)}])
+    result = await sb.sh(handle, f"echo evil > {git_dir}/hooks/pre-commit; echo rc=$?")
+    assert "rc=0" not in output(result), output(result)
+    assert not (git_dir / "hooks" / "pre-commit").exists()

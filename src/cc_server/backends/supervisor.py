@@ -364,9 +364,10 @@ class PathRules:
     (the pinned directory's own path, never the string the task passed).
 
     `patterns` ("X", or "X/**" for X and everything below it; '*' stays in one component) are
-    matched on the trailing components of a path below the innermost of `roots` that holds it,
-    unless one of `exempt` (a runner's state directory) holds it; `absolute` paths are refused
-    wherever they are, with everything below them.
+    matched on the trailing components of a path below the outermost of `roots` that holds it
+    (a writable bind nested in another, say a `.git` bound on its own, is judged by its place
+    in the outer one), unless one of `exempt` (a runner's state directory) holds it;
+    `absolute` paths are refused wherever they are, with everything below them.
     """
 
     patterns: tuple[str, ...] = ()

@@ -670,7 +670,7 @@ static bool bare_head(const char *rel, const char *name) {
 }
 
 /* Whether the path rules refuse `full` (an absolute path in the task's view): an absolute
- * path at or below it, else a pattern matching the components below the innermost scope root
+ * path at or below it, else a pattern matching the components below the outermost scope root
  * that holds it, unless an exempt root (a runner's own state directory) holds it. */
 static bool full_path_refused(const struct ccs *s, const char *full, const char *name,
                               const char **which) {
@@ -686,7 +686,7 @@ static bool full_path_refused(const struct ccs *s, const char *full, const char 
     size_t best = 0;
     for (int i = 0; i < s->nroots; i++) {
         size_t n = strlen(s->roots[i]);
-        if (path_under(full, s->roots[i]) && (root == NULL || n > best)) {
+        if (path_under(full, s->roots[i]) && (root == NULL || n < best)) {
             root = s->roots[i];
             best = n;
         }
