@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shutil
 import subprocess
 import zlib
 from collections.abc import Callable, Sequence
@@ -170,12 +172,24 @@ class IdentityCheck:
     hint: str | None = None
 
 
+_SELFTEST_DIR = re.compile(r"^cc-identity-selftest-(?P<pid>\d+)-\w{6}\Z")
+
+
+def _remove_dead_selftests(tmp: str = "/tmp") -> None:
+    """What a selftest killed mid-way left (its mounts died with it; its directories did not)."""
+    from cc_server.rundir import names_of_dead_owners  # lazy: only the probe as root
+
+    for name in names_of_dead_owners(tmp, _SELFTEST_DIR):
+        shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
+
+
 def check_identity(native_dir: str = _NATIVE_DIR) -> IdentityCheck:
     """The probe's check: needed only as root; then the helper must be built and its selftest
     (an idmapped bind written as the sandbox identity, owned by the bind's owner) must pass.
     Raises nothing."""
     if os.geteuid() != 0:
         return IdentityCheck(needed=False)
+    _remove_dead_selftests()
     helper = os.path.join(native_dir, IDENTITY_TOOL)
     if not os.access(helper, os.X_OK):
         return IdentityCheck(

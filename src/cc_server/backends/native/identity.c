@@ -251,7 +251,9 @@ static void become(uid_t u, gid_t g) {
 }
 
 static int selftest(uid_t u, gid_t g) {
-    char tmpl[] = "/tmp/cc-identity-selftest-XXXXXX";
+    /* Named by pid, so a probe after a killed one removes what it left (identity.py). */
+    char tmpl[64];
+    snprintf(tmpl, sizeof tmpl, "/tmp/cc-identity-selftest-%d-XXXXXX", (int)getpid());
     char *base = mkdtemp(tmpl);
     if (!base)
         die("mkdtemp: %s", strerror(errno));
