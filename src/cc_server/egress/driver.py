@@ -81,6 +81,7 @@ __all__ = [
     "Resolver",
     "SessionProxies",
     "default_advice",
+    "entry_for",
     "open_session_proxies",
     "start_session_proxies",
 ]
@@ -126,6 +127,9 @@ class EgressRefused:
     """The capability that would have allowed it, from `ProxyParams.suggest`."""
     protocol: Literal["http", "socks5"]
     """Which proxy refused."""
+    how_to_allow: str
+    """What would allow it, in one phrase (the advice of the HTTP 403 body): the setting that
+    applies with the entry to add, or why nothing can ("nothing: the deny list wins ...")."""
     raw: str
     """One log line with the details."""
 
@@ -152,12 +156,18 @@ def _never_suggest(host: str) -> str | None:
     return None
 
 
-def default_advice(host: str) -> str:
-    """How to allow a refused host of a session started with an explicit allowlist."""
+def default_advice(entry: str) -> str:
+    """How to allow a refused target of a session started with an explicit allowlist; `entry`
+    is the port-scoped allowlist entry that would allow it (`host:443`, `[2001:db8::1]:8080`)."""
     return (
-        f"ask the operator to add {host} to the session's egressAllowlist "
-        f"(cc-server run --allow-domain {host})"
+        f"ask the operator to add {entry} to the session's egressAllowlist "
+        f"(cc-server run --allow-domain {entry})"
     )
+
+
+def entry_for(host: str, port: int) -> str:
+    """The allowlist entry naming exactly `host` (a canonical name or address) on `port`."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -173,8 +183,9 @@ class ProxyParams:
     suggest: Callable[[str], str | None] = _never_suggest
     """The capability that would have allowed a refused host (by its canonical name)."""
     advice: Callable[[str], str] = default_advice
-    """How to allow a refused host or address (its canonical spelling): the setting that
-    actually applies to this session (a dispatch run's is the server's, `egress.operator`)."""
+    """How to allow a refused target, given the entry that would allow it (`entry_for`: its
+    canonical host or address and the port): the setting that actually applies to this session
+    (a dispatch run's is the server's, `egress.operator`)."""
     socket_dir: str | None = None
     """If set, also listen on Unix sockets `http.sock` and `socks.sock` in this directory, which
     must be ours and mode 0700; the sockets are created 0600 and removed by aclose()."""
@@ -540,7 +551,7 @@ class _Connection:
     async def _check(self, event: CheckEgress) -> _Allowed | _Refused | _Unresolved:
         decision = self._params.allowlist.allows(event.host, event.port)
         if not decision.allowed:
-            return _denied(decision, self._params.advice)
+            return _denied(decision, event.port, self._params.advice)
         try:
             target = parse_host(event.host)
         except InvalidHostName as exc:  # allows() refused these already; kept for safety
@@ -552,7 +563,7 @@ class _Connection:
                     str(target),
                     f"{target} is a {why}; egress reaches such an address only when that "
                     "address itself is on the allowlist",
-                    self._params.advice(str(target)),
+                    self._params.advice(entry_for(str(target), event.port)),
                 )
             return _Allowed((target,))
         try:
@@ -570,7 +581,7 @@ class _Connection:
                     target,
                     f"{target} resolves to {address}, a {why}; egress reaches such an address "
                     "only when that address itself is on the allowlist",
-                    self._params.advice(str(address)),
+                    self._params.advice(entry_for(str(address), event.port)),
                 )
         return _Allowed(unique)
 
@@ -628,6 +639,7 @@ class _Connection:
             reason=refused.reason,
             suggested_capability=capability,
             protocol=self._protocol,
+            how_to_allow=how_to_allow,
             raw=raw,
         )
         try:
@@ -637,14 +649,14 @@ class _Connection:
         return how_to_allow
 
 
-def _denied(decision: Decision, advice: Callable[[str], str]) -> _Refused:
+def _denied(decision: Decision, port: int, advice: Callable[[str], str]) -> _Refused:
     if decision.rule is not None:  # the deny list matched: no allowlist entry can help
         return _Refused(
             decision.host,
             decision.reason,
             "nothing: the deny list wins over every allowlist entry",
         )
-    return _Refused(decision.host, decision.reason, advice(decision.host))
+    return _Refused(decision.host, decision.reason, advice(entry_for(decision.host, port)))
 
 
 def _suggest(params: ProxyParams, host: str) -> str | None:

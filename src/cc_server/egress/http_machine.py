@@ -63,7 +63,7 @@ CONNECT_ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
 DEFAULT_HOW_TO_ALLOW = (
     "ask the operator to add the host to this session's egress allowlist "
-    "(cc-server run --allow-domain HOST)."
+    "(cc-server run --allow-domain HOST[:PORT])."
 )
 """The advice in a 403 body when the driver gives none."""
 

@@ -5,10 +5,11 @@ run gets the curated baseline plus what its capabilities earn. The curation is t
 
 - `cc-server serve --dispatch-allow-domain PATTERN` (repeatable) and
   `CC_SERVER_DISPATCH_ALLOW_DOMAINS` (comma-separated) add entries in the allowlist syntax
-  (`egress.patterns`: a name, `*.example.com`, `a.*.example.com`, an IP literal) to the baseline
-  of every dispatch run. An IP literal is also how a name that resolves to a non-public address
-  (an internal registry) is reached: the address guard lets through only an address that is
-  itself on the allowlist.
+  (`egress.patterns.parse_entry`: a name, `*.example.com`, `a.*.example.com`, an IP literal,
+  each with an optional port, `registry.internal:5000`, `[fd00::5]:443`) to the baseline of every
+  dispatch run; an entry without a port allows every port. An IP literal is also how a name that
+  resolves to a non-public address (an internal registry) is reached: the address guard lets
+  through only an address that is itself on the allowlist.
 - the agents' model endpoint, `ANTHROPIC_BASE_URL` in the server's environment, is allowed
   automatically, on its own port only (`AllowlistRule.port`): `http://127.0.0.1:4000` allows
   127.0.0.1 port 4000, not the host's other loopback services. `localhost` stands for
@@ -34,8 +35,8 @@ from cc_server.egress.patterns import (
     InvalidHostName,
     InvalidPattern,
     IpLiteralPattern,
+    parse_entry,
     parse_host,
-    parse_pattern,
 )
 from cc_server.errors import BadSpec
 
@@ -90,11 +91,11 @@ class OperatorEgress:
         rules: list[AllowlistRule] = []
         for source, text in entries:
             try:
-                pattern = parse_pattern(text)
+                pattern, port = parse_entry(text)
             except InvalidPattern as exc:
                 raise InvalidPattern(f"{source} {text!r}: {exc.message}") from None
-            rules.append(AllowlistRule(pattern=pattern, reason=OPERATOR_REASON))
-        patterns = tuple(dict.fromkeys(str(rule.pattern) for rule in rules))
+            rules.append(AllowlistRule(pattern=pattern, reason=OPERATOR_REASON, port=port))
+        patterns = tuple(dict.fromkeys(rule.entry for rule in rules))
         url = env.get(MODEL_URL_ENV) or None
         if url is None:
             return cls(patterns=patterns, rules=tuple(rules))
@@ -139,11 +140,12 @@ class OperatorEgress:
         kept = [e for e in default.split(",") if e.strip().strip("[]").lower() not in names]
         return ",".join(kept)
 
-    def advice(self, host: str) -> str:
-        """How to allow a refused host for every dispatch run: the settings that apply."""
+    def advice(self, entry: str) -> str:
+        """How to allow a refused target for every dispatch run: the settings that apply, with
+        the port-scoped entry that would allow it (`host:443`, `driver.entry_for`)."""
         return (
-            f"ask the operator to allow {host} for every dispatch run "
-            f"(cc-server serve {ALLOW_FLAG} {host}, or {host} in {ALLOW_ENV})"
+            f"ask the operator to allow {entry} for every dispatch run "
+            f"(cc-server serve {ALLOW_FLAG} {entry}, or {entry} in {ALLOW_ENV})"
         )
 
 

@@ -9,6 +9,13 @@ A pattern is one of:
   (`bedrock.us-east-1.amazonaws.com`, not `bedrock.evil.attacker.amazonaws.com`);
 - an IP address literal (`10.0.0.5`, `[fd00::1]`), matched as an address, never as text.
 
+An allowlist *entry* (`parse_entry`) is a pattern with an optional port: `host:port`,
+`*.example.com:443`, `10.1.2.3:5432`, `[2001:db8::1]:8080`. The port is decimal, 1 to 65535,
+without a sign or a leading zero; an IPv6 address takes a port only in brackets (a bare
+`2001:db8::1` is an address on every port). An entry with a port matches only a connection asked
+for with that port; an entry without one matches every port, as entries always have. The deny
+list is not narrowed by ports: a denied host is denied on every port, whatever an entry says.
+
 The `*` must be a whole label and there is at most one. The fixed part after it must have at
 least two labels: `*.com` or `bedrock.*.com` would match names that anyone can register. (Without
 the public-suffix list, `*.co.uk` is not caught; review wildcard entries with that in mind.)
@@ -41,7 +48,9 @@ __all__ = [
     "InvalidPattern",
     "IpLiteralPattern",
     "Wildcard",
+    "format_entry",
     "normalise_host",
+    "parse_entry",
     "parse_host",
     "parse_pattern",
 ]
@@ -49,6 +58,7 @@ __all__ = [
 MAX_NAME_LENGTH = 253  # RFC 1035: 255 octets on the wire, 253 characters in text form
 MAX_LABEL_LENGTH = 63  # RFC 1035
 MIN_WILDCARD_SUFFIX_LABELS = 2  # `*.com` would match names that anyone can register
+MAX_PORT = 65535  # TCP ports are 16 bits; 0 is not a port anyone can connect to
 
 # The label separators UTS 46 maps to '.', as the idna package splits on them.
 _DOTS = re.compile("[.\u3002\uff0e\uff61]")
@@ -56,8 +66,11 @@ _DOTS = re.compile("[.\u3002\uff0e\uff61]")
 ALLOWED_FORMS = (
     "allowed forms: an exact name (api.example.com), a leading wildcard label (*.example.com: "
     "any subdomain, not example.com itself), one middle wildcard label (bedrock.*.amazonaws.com: "
-    "exactly one label), or an IP address (10.0.0.5, [fd00::1])"
+    "exactly one label), or an IP address (10.0.0.5, [fd00::1]); each optionally with a port "
+    "(api.example.com:443, *.example.com:443, 10.0.0.5:5432, [fd00::1]:8080)"
 )
+# A port as written in an entry: decimal ASCII digits, no sign, no leading zero (one spelling).
+_PORT = re.compile(r"[1-9][0-9]{0,4}", re.ASCII)
 
 
 class InvalidPattern(BadSpec, ValueError):
@@ -324,19 +337,88 @@ def parse_pattern(text: str) -> HostPattern:
     return IpLiteralPattern(address=target)
 
 
+def parse_entry(text: str) -> tuple[HostPattern, int | None]:
+    """Parse an allowlist entry: a pattern (see parse_pattern) and an optional port.
+
+    `api.example.com:443`, `*.example.com:443`, `10.1.2.3:5432` and `[2001:db8::1]:8080` carry
+    a port; `api.example.com`, `10.1.2.3`, `[2001:db8::1]` and `2001:db8::1` do not (every port).
+
+    Raises:
+        InvalidPattern: the pattern or the port is malformed; the message says which and why.
+    """
+    if text.startswith("["):
+        close = text.find("]")
+        if close < 0:
+            raise InvalidPattern(f"egress entry {text!r} opens '[' and never closes it")
+        inner, rest = text[1:close], text[close + 1 :]
+        if ":" not in inner:
+            raise InvalidPattern(
+                f"egress entry {text!r}: brackets are for an IPv6 address only "
+                "([2001:db8::1]:8080); write a name or an IPv4 address without them"
+            )
+        pattern = _ipv6_pattern(text, inner)
+        if not rest:
+            return pattern, None
+        if not rest.startswith(":"):
+            raise InvalidPattern(f"egress entry {text!r}: only ':PORT' may follow ']'")
+        return pattern, _port(text, rest[1:])
+    if text.count(":") > 1:  # a bare IPv6 address: every port
+        return _ipv6_pattern(text, text), None
+    host, colon, port = text.partition(":")
+    if not colon:
+        return parse_pattern(text), None
+    if not host:
+        raise InvalidPattern(f"egress entry {text!r} names a port but no host")
+    return parse_pattern(host), _port(text, port)
+
+
+def _ipv6_pattern(text: str, inner: str) -> IpLiteralPattern:
+    address = parse_ip_literal(inner)
+    if not isinstance(address, IPv6Address):
+        raise InvalidPattern(
+            f"egress entry {text!r}: {inner!r} is not an IPv6 address (an IPv6 address with a "
+            "port is written in brackets: [2001:db8::1]:8080)"
+        )
+    return IpLiteralPattern(address=address)
+
+
+def _port(text: str, port: str) -> int:
+    if not _PORT.fullmatch(port) or int(port) > MAX_PORT:
+        raise InvalidPattern(
+            f"egress entry {text!r}: the port {port!r} is not a number from 1 to {MAX_PORT} "
+            "(decimal, no sign or leading zero)"
+        )
+    return int(port)
+
+
+def format_entry(pattern: HostPattern, port: int | None = None) -> str:
+    """An entry's canonical text, which parse_entry reads back: `pattern` or `pattern:port`,
+    an IPv6 address in brackets when it has a port (`[2001:db8::1]:8080`)."""
+    if port is None:
+        return str(pattern)
+    if isinstance(pattern, IpLiteralPattern) and pattern.address.version == 6:
+        return f"[{pattern}]:{port}"
+    return f"{pattern}:{port}"
+
+
 class AllowlistRule(NamedTuple):
     """One allowlist or deny-list entry and why it is there.
 
-    `port` narrows an allow entry to one port; it is set only by the server itself (the
-    agents' model endpoint, `egress.operator`), never parsed from an allowlist entry. A rule
-    with a port matches only a target asked for with that port."""
+    `port` narrows an allow entry to one port (an entry written `host:port`, or set by the
+    server itself: the agents' model endpoint, `egress.operator`). A rule with a port matches
+    only a target asked for with that port. A deny rule's port is never set."""
 
     pattern: HostPattern
     reason: str
     port: int | None = None
 
+    @property
+    def entry(self) -> str:
+        """The entry's canonical text (`format_entry`)."""
+        return format_entry(self.pattern, self.port)
+
     def __str__(self) -> str:
-        return str(self.pattern) if self.port is None else f"{self.pattern} port {self.port}"
+        return self.entry
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

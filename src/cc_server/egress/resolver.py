@@ -7,7 +7,8 @@ The rules, from the spec's "Network egress":
 - otherwise the baseline (LLM providers, Git hosting, package registries), plus the operator's
   extension of it (`extra_baseline`: for dispatch, `egress.operator.OperatorEgress.rules`), plus
   GitHub's domains when the agent can call the GitHub API or push, plus
-  SandboxSpec.egressAllowlist, plus the ticketing domains passed in when the agent can call
+  SandboxSpec.egressAllowlist (entries may carry a port: `host:443`, see `patterns.parse_entry`),
+  plus the ticketing domains passed in when the agent can call
   ticketing (dispatch passes none);
 - the deny list (cloud metadata, telemetry sinks) wins over every allow, in every case.
 """
@@ -28,8 +29,8 @@ from cc_server.egress.patterns import (
     AllowlistRule,
     InvalidHostName,
     InvalidPattern,
+    parse_entry,
     parse_host,
-    parse_pattern,
 )
 from cc_server.policy.spec import AgentCapabilities, SandboxSpec
 
@@ -75,10 +76,10 @@ def _rules(field: str, texts: Iterable[str], reason: str) -> tuple[AllowlistRule
     rules = []
     for i, text in enumerate(texts):
         try:
-            pattern = parse_pattern(text)
+            pattern, port = parse_entry(text)
         except InvalidPattern as exc:
             raise InvalidPattern(f"{field}[{i}]: {exc.message}") from None
-        rules.append(AllowlistRule(pattern=pattern, reason=reason))
+        rules.append(AllowlistRule(pattern=pattern, reason=reason, port=port))
     return tuple(rules)
 
 

@@ -87,7 +87,7 @@ def test_the_model_endpoint_is_allowed_on_its_own_port_only() -> None:
     )
     allowlist = allowlist_for(SPEC, extra_baseline=egress.rules)
     assert allowlist.allows("127.0.0.1", 4000).allowed
-    assert "127.0.0.1 port 4000" in allowlist.allows("127.0.0.1", 4000).reason
+    assert "allowed by 127.0.0.1:4000 " in allowlist.allows("127.0.0.1", 4000).reason
     assert not allowlist.allows("127.0.0.1", 8421).allowed  # the server's own API, say
     assert not allowlist.allows("127.0.0.1").allowed  # a port-scoped rule needs the port
 

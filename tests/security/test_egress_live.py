@@ -1,0 +1,99 @@
+"""Egress decided per connection: an entry with a port opens only that port, on every route, and
+a change to a running session's allowlist applies to its next connection.
+
+The lab (real sandboxes, a fake resolver, upstream HTTP servers on the host's loopback, the raw
+client that speaks CONNECT, absolute-form HTTP and SOCKS5 byte by byte) is `test_egress`'s.
+A second upstream listens on another loopback port: what an entry for the first port must not
+reach.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from escape_kit import Sandboxes
+from test_egress import (
+    ALLOWED,
+    LOOP_NAME,
+    LOOPBACK,
+    Lab,
+    Upstream,
+    assert_violations,
+    attempt,
+    open_lab,
+    open_upstream,
+    reached,
+    refused,
+    run_raw,
+)
+
+from cc_server.backends.probe import ProbeResult
+
+pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+
+@pytest.fixture
+async def lab(sb: Sandboxes, probe_result: ProbeResult) -> AsyncIterator[Lab]:
+    async with open_lab(sb, probe_result) as lab:
+        yield lab
+
+
+@pytest.fixture
+def other() -> AsyncIterator[Upstream]:
+    """A second upstream on other loopback ports (127.0.0.1 and ::1)."""
+    with open_upstream() as upstream:
+        yield upstream
+
+
+ROUTES = ("connect", "forward", "socks-domain")
+
+
+async def test_a_port_entry_allows_only_its_port_on_every_route(lab: Lab, other: Upstream) -> None:
+    up = lab.upstream
+    handle = lab.launch(egressAllowlist=[f"{ALLOWED}:{up.port}", f"127.0.0.1:{up.port}"])
+    tries = []
+    for kind in ROUTES:
+        tries += [
+            attempt(f"{kind} listed port", kind, ALLOWED, up.port),
+            attempt(f"{kind} other port", kind, ALLOWED, other.port),
+        ]
+    tries += [
+        attempt("socks-ipv4 listed port", "socks-ipv4", "127.0.0.1", up.port),
+        attempt("socks-ipv4 other port", "socks-ipv4", "127.0.0.1", other.port),
+    ]
+    found, _ = await run_raw(handle, *tries)
+    for name, entry in found.items():
+        if name.endswith("listed port"):
+            assert reached(entry, up), (name, entry)
+        else:
+            assert refused(entry), (name, entry)
+            assert not reached(entry, other), (name, entry)
+    assert other.seen == [], "a refused port was reached"
+    assert len(up.seen) == len(ROUTES) + 1
+    assert_violations(handle, [(ALLOWED, other.port)] * len(ROUTES) + [(LOOPBACK, other.port)])
+    reasons = [v.raw or "" for v in handle.violations]
+    assert all("not on this session's egress allowlist" in r for r in reasons), reasons
+    assert all(f"--allow-domain {ALLOWED}:{other.port}" in r for r in reasons[:-1]), reasons
+
+
+async def test_an_address_entry_with_a_port_guards_a_name_on_that_port_only(
+    lab: Lab, other: Upstream
+) -> None:
+    # LOOP_NAME resolves to 127.0.0.1: the name is listed on every port, its address on one, so
+    # the address guard lets the name through on that port and refuses it on any other.
+    up = lab.upstream
+    handle = lab.launch(egressAllowlist=[LOOP_NAME, f"127.0.0.1:{up.port}"])
+    found, _ = await run_raw(
+        handle,
+        attempt("listed", "connect", LOOP_NAME, up.port),
+        attempt("other", "connect", LOOP_NAME, other.port),
+        attempt("socks other", "socks-domain", LOOP_NAME, other.port),
+    )
+    assert reached(found["listed"], up), found
+    assert refused(found["other"]) and refused(found["socks other"]), found
+    assert other.seen == []
+    assert_violations(handle, [(LOOP_NAME, other.port)] * 2)
+    assert all("resolves to 127.0.0.1, a loopback" in (v.raw or "") for v in handle.violations)
+    assert all(f"--allow-domain 127.0.0.1:{other.port}" in (v.raw or "")
+               for v in handle.violations)  # fmt: skip
