@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, TextIO
 
+from cc_server.backends.bubblewrap import DEFAULT_PATH
 from cc_server.backends.egress_bridge import HTTP_PROXY_PORT, SOCKS_PROXY_PORT
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan
 from cc_server.backends.probe import SANDBOX_EXEC_PATH, ProbeResult, probe
@@ -43,6 +44,12 @@ PLAN_MACOS_TEMP_DIR = "/var/folders/<per-user>/T"
 # macOS resolves these top-level names into /private (what the kernel matches rules against).
 MACOS_PRIVATE_LINKS = ("/tmp", "/var", "/etc")
 EXIT_USAGE = 2
+# `--home`: empty is a throw-away tmpfs; dotfiles adds read-only binds of DEFAULT_DOTFILES (or the
+# --dotfile entries). The secret set (policy.paths.SECRET_DENY_READ) is masked in both.
+HOME_CHOICES = ("empty", "dotfiles")
+# Git identity and the toolchains installed under $HOME; none of them is a credential store (the
+# ones inside, like ~/.cargo/credentials.toml and ~/.config/git/credentials, stay masked).
+DEFAULT_DOTFILES = (".gitconfig", ".config/git", ".cargo", ".rustup", ".pyenv", ".nvm")
 EXIT_REFUSED = 125  # like `env`/`timeout`: the command itself never ran
 
 
@@ -70,6 +77,10 @@ def _env_pair(value: str) -> tuple[str, str]:
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--settings", metavar="FILE",
+                   help="a TOML file of these options (keys are the flag names: bind = [...], "
+                   "backend = ...); read after the per-user file "
+                   "~/.config/cc-server/settings.toml; flags override both")
     p.add_argument(
         "--backend",
         choices=[b.value for b in SandboxBackend],
@@ -77,16 +88,30 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--mode", choices=[m.value for m in Mode], default=None)
     p.add_argument("--bind", type=_bind, action="append", default=[],
-                   metavar="HOST[:GUEST][:ro]", help="make a host path visible (repeatable)")
+                   metavar="HOST[:GUEST][:ro]",
+                   help="make a host path visible (repeatable); with none, the current "
+                   "directory is bound writable")
+    p.add_argument("--bind-cwd", action=argparse.BooleanOptionalAction, default=None,
+                   help="bind the current directory writable when nothing else is bound "
+                   "(default; refused in $HOME and /)")
+    p.add_argument("--home", choices=HOME_CHOICES, default=None,
+                   help="empty: a throw-away $HOME (default); dotfiles: the same, with a "
+                   "read-only view of the --dotfile entries (git identity, toolchains); the "
+                   "secret set (~/.ssh, ~/.aws, ...) stays masked in both")
+    p.add_argument("--dotfile", action="append", default=[], metavar="NAME",
+                   help="a file or directory under $HOME that --home dotfiles shows read-only "
+                   f"(repeatable; default: {', '.join(DEFAULT_DOTFILES)})")
     p.add_argument("--protect", action="append", default=[], metavar="PATH",
                    help="a host path that must never be writable (repeatable)")
     p.add_argument("--runner-state", action="append", default=[], metavar="DIR",
                    help="a runner state directory, writable in every mode (repeatable)")
-    p.add_argument("--workdir", help="working directory inside the sandbox")
+    p.add_argument("--workdir", help="working directory inside the sandbox (default: the current "
+                   "directory when it is inside a bind, else the first bind)")
     p.add_argument("--deny-create", action="append", default=[], metavar="GLOB",
                    help="refuse creating files whose name matches GLOB (repeatable)")
-    p.add_argument("--no-network", action="store_true",
-                   help="networkEnabled: false (the proxies still start and refuse everything)")
+    p.add_argument("--network", action=argparse.BooleanOptionalAction, default=None,
+                   help="--no-network: networkEnabled false (the proxies still start and "
+                   "refuse everything)")
     p.add_argument("--allow-domain", action="append", default=[], metavar="PATTERN",
                    help="add to the session's egress allowlist: host, *.domain, a.*.b (repeatable)")
     p.add_argument("--capability", action="append", default=[], choices=CAPABILITIES,
@@ -95,6 +120,24 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
                    help="set a variable for the command (repeatable)")
     p.add_argument("--spec", metavar="FILE", help="a SandboxSpec JSON file; options add to it")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+
+
+RUN_EXAMPLES = """\
+examples:
+  cc-server run -- make test                 the current directory, writable, is the workdir
+  cc-server run --home dotfiles -- git commit -m wip
+                                             ~/.gitconfig visible read-only: git knows you
+  cc-server run --bind ~/src/app --bind ~/data:/data:ro -- ./app/run.sh
+  cc-server run --mode review --no-network -- pytest
+                                             every bind read-only, no network at all
+  cc-server run --allow-domain pypi.org --allow-domain '*.pythonhosted.org' -- pip install x
+  cc-server run --backend microvm -- uname -r   the guest's own kernel, its own VM
+  cc-server plan --settings team.toml -- make   the merged settings and the argv; runs nothing
+
+the current directory is bound writable only when nothing else is bound; $HOME and / are refused
+(cd into a project, or --bind what the command needs). The sandbox's $HOME is empty unless
+--home dotfiles; the secret set (~/.ssh, ~/.aws, ~/.gnupg, ...) is masked whatever is bound.
+"""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -111,7 +154,9 @@ def parser() -> argparse.ArgumentParser:
     p_plan.add_argument("--platform", choices=["linux", "macos"],
                         help="plan as on this platform (default: this host's); runs nothing. "
                         "macos prints the Seatbelt profile and the sandbox-exec command line")
-    p_run = sub.add_parser("run", help="run a command in a sandbox; exits with its code")
+    p_run = sub.add_parser("run", help="run a command in a sandbox; exits with its code",
+                           epilog=RUN_EXAMPLES,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_run_options(p_run)
     p_run.add_argument("--events", choices=["json"], help="stream events as JSON lines")
     p_run.add_argument("--timeout", type=float, metavar="SECONDS", help="kill after SECONDS")
@@ -170,7 +215,16 @@ def build_spec(args: argparse.Namespace) -> SandboxSpec:
             raise BadSpec(f"--spec {args.spec!r} must hold a JSON object")
     data.setdefault("sessionId", f"cli-{os.getpid()}-{os.urandom(4).hex()}")
     data.setdefault("workspaceId", "cli")
-    data["bindMounts"] = [*data.get("bindMounts", []), *args.bind]
+    home = os.path.expanduser("~")
+    cwd = os.getcwd()
+    binds: list[dict[str, Any]] = [*data.get("bindMounts", []), *args.bind]
+    if not binds and args.bind_cwd is not False and args.backend != SandboxBackend.NONE:
+        _refuse_as_cwd_bind(cwd, home)
+        binds = [{"hostPath": cwd, "readOnly": False}]
+    if args.home == "dotfiles":
+        binds += _dotfile_binds(args.dotfile or DEFAULT_DOTFILES, home, binds,
+                                explicit=bool(args.dotfile))
+    data["bindMounts"] = binds
     data["protectedPaths"] = [*data.get("protectedPaths", []),
                               *(os.path.abspath(p) for p in args.protect)]
     data["runnerStateDirs"] = [*data.get("runnerStateDirs", []),
@@ -179,8 +233,12 @@ def build_spec(args: argparse.Namespace) -> SandboxSpec:
         data["mode"] = args.mode
     if args.workdir:
         data["guestWorkdir"] = os.path.abspath(args.workdir)
-    if args.no_network:
-        data["networkEnabled"] = False
+    elif "guestWorkdir" not in data:
+        inside = cwd if args.backend == SandboxBackend.NONE else _guest_path_of(cwd, binds)
+        if inside is not None:
+            data["guestWorkdir"] = inside
+    if args.network is not None:
+        data["networkEnabled"] = args.network
     data["egressAllowlist"] = [*data.get("egressAllowlist", []), *args.allow_domain]
     if args.capability:
         data["capabilities"] = {**data.get("capabilities", {}),
@@ -188,6 +246,72 @@ def build_spec(args: argparse.Namespace) -> SandboxSpec:
     spec = parse_spec(data)
     _refuse_exposed_tokens(spec)
     return spec
+
+
+def _refuse_as_cwd_bind(cwd: str, home: str) -> None:
+    """The current directory is bound writable by default, but never `/`, `$HOME` or a
+    directory holding `$HOME`: every project, dotfile and shell history would be writable.
+
+    Raises:
+        BadSpec: the current directory is one of those.
+    """
+    real = os.path.realpath(cwd)
+    homes = {home, os.path.realpath(home)}
+    if real == "/" or any(h == real or h.startswith(real.rstrip("/") + "/") for h in homes):
+        what = "/" if real == "/" else "$HOME" if real in homes else "a directory holding $HOME"
+        raise BadSpec(
+            f"the current directory {cwd!r} is {what}: binding it writable (what `run` does "
+            "when nothing is bound) would let the command change every file of yours",
+            fix="cd into the project first, or --bind the directories the command needs, or "
+            "--no-bind-cwd to bind nothing",
+        )
+
+
+def _dotfile_binds(
+    names: Sequence[str], home: str, binds: Sequence[Mapping[str, Any]], *, explicit: bool
+) -> list[dict[str, Any]]:
+    """Read-only binds of the dotfiles `--home dotfiles` shows: those that exist (a missing
+    `--dotfile` is an error) and that no bind already shows.
+
+    Raises:
+        BadSpec: a name is outside $HOME, inside the secret set, or (given explicitly) absent.
+    """
+    from cc_server.policy.paths import SECRET_DENY_READ
+
+    out: list[dict[str, Any]] = []
+    for name in names:
+        rel = name[2:] if name.startswith("~/") else name
+        path = os.path.normpath(os.path.join(home, rel))
+        rel = os.path.relpath(path, home)
+        if rel == "." or rel.startswith(".."):
+            raise BadSpec(f"--dotfile {name!r} is not a path under $HOME ({home})",
+                          fix="name it relative to $HOME, like .gitconfig")
+        secret = next((s for s, _ in SECRET_DENY_READ
+                       if rel == s or rel.startswith(s + "/")), None)
+        if secret is not None:
+            raise BadSpec(f"--dotfile {name!r}: ~/{secret} is in the secret set and is masked "
+                          "in every sandbox", fix="show the tool's other files, not its secrets")
+        if not os.path.lexists(path):
+            if explicit:
+                raise BadSpec(f"--dotfile {name!r}: {path} does not exist")
+            continue
+        if _guest_path_of(path, binds) is None:
+            out.append({"hostPath": path, "readOnly": True})
+    return out
+
+
+def _guest_path_of(path: str, binds: Sequence[Mapping[str, Any]]) -> str | None:
+    """Where host `path` appears in the sandbox: under the deepest bind holding it, else None."""
+    best: tuple[int, str] | None = None
+    for bind in binds:
+        host = str(bind.get("hostPath", ""))
+        guest = str(bind.get("guestPath") or host)
+        for spelling in {host, os.path.realpath(host)}:
+            if path == spelling or path.startswith(spelling.rstrip("/") + "/"):
+                inside = guest.rstrip("/") + path[len(spelling.rstrip("/")):] or "/"
+                if best is None or len(spelling) > best[0]:
+                    best = (len(spelling), inside)
+    return best[1] if best is not None else None
 
 
 def _refuse_exposed_tokens(spec: SandboxSpec) -> None:
@@ -227,6 +351,14 @@ def command_env(
     `--env`."""
     env = {k: environ[k] for k in PASSTHROUGH_ENV if k in environ}
     env.update({k: v for k, v in environ.items() if k.startswith("LC_")})
+    if args.home == "dotfiles":  # the toolchains shown: their entries of the caller's PATH first
+        home = os.path.expanduser("~")
+        shown = [os.path.join(home, n[2:] if n.startswith("~/") else n)
+                 for n in args.dotfile or DEFAULT_DOTFILES]
+        entries = [e for e in environ.get("PATH", "").split(":")
+                   if any(e == d or e.startswith(d + "/") for d in shown)]
+        if entries:
+            env["PATH"] = ":".join([*entries, DEFAULT_PATH])
     env.update(dict(args.env))
     return env
 
@@ -342,15 +474,23 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     else:
         result, host, temp_dir = _as_platform(args.platform)
         plan = _plan(args, result, host, temp_dir)
+    from cc_server.settings import merged_settings, render_settings
+
+    settings = merged_settings(args, _settings_keys(parser(), "plan"))
+    sources = [*args.settings_sources, "flags"]
     if args.json:
-        print(json.dumps(plan.to_json(), indent=2))
-    elif plan.argv and plan.argv[0] == SANDBOX_EXEC_PATH:
+        out = {**plan.to_json(), "settings": {"sources": sources, "merged": settings}}
+        print(json.dumps(out, indent=2))
+        return 0
+    if plan.argv and plan.argv[0] == SANDBOX_EXEC_PATH:
         print(render_seatbelt_plan(plan))
         if args.platform == "macos" and temp_dir is not None:
             print("note: planned off a Mac: the temp dir and the proxy ports are stand-ins for "
                   "the session's own")
     else:
         print(plan.render())
+    print(f"settings (from {', '.join(sources)}):")
+    print("\n".join(f"  {line}" for line in render_settings(settings).splitlines()) or "  (none)")
     return 0
 
 
@@ -406,9 +546,42 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line, with `run` and `plan` options filled from the settings files (the
+    per-user file, then `--settings FILE`; see cc_server.settings).
+
+    Raises:
+        BadSpec: a settings file is unreadable, not TOML, or holds an unknown key or bad value.
+        SystemExit: argparse's usage errors and `--help`.
+    """
+    top = parser()
+    args = top.parse_args(argv)
+    if args.verb not in ("run", "plan"):
+        return args
+    from cc_server.settings import apply_settings, default_settings_path, load_settings
+
+    keys = _settings_keys(top, args.verb)
+    layers = [load_settings(default_settings_path(), keys, required=False)]
+    if args.settings:
+        layers.append(load_settings(args.settings, keys))
+    args.settings_sources = [layer.source for layer in layers if layer is not None]
+    return apply_settings(args, [layer for layer in layers if layer is not None], keys)
+
+
+def _settings_keys(top: argparse.ArgumentParser, verb: str) -> dict[str, argparse.Action]:
+    from cc_server.settings import settings_keys
+
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    return settings_keys(sub.choices[verb])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cc-server` console script."""
-    args = parser().parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except BadSpec as exc:
+        print(f"cc-server: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.verb == "probe":
             return _cmd_probe(args)

@@ -42,9 +42,10 @@ DAEMON_ENV: Final = "CC_SERVER_DAEMON"  # "off": never use the daemon
 START_TIMEOUT_S: Final = 10.0  # from spawning the daemon to its socket answering
 FORWARDED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What `run` reads from the caller's environment (cli.PASSTHROUGH_ENV and LC_*); nothing else is
-# sent. HOME, PATH and XDG_RUNTIME_DIR choose the daemon instead (they are part of its key).
+# sent. HOME, PATH, XDG_RUNTIME_DIR, TMPDIR and XDG_CONFIG_HOME (where the settings file is)
+# choose the daemon instead (they are part of its key).
 SENT_ENV: Final = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
-KEYED_ENV: Final = ("HOME", "PATH", "XDG_RUNTIME_DIR", "TMPDIR")
+KEYED_ENV: Final = ("HOME", "PATH", "XDG_RUNTIME_DIR", "TMPDIR", "XDG_CONFIG_HOME")
 _HEADER: Final = struct.Struct("!I")
 MAX_MESSAGE_BYTES: Final = 1 << 20
 EXIT_REFUSED: Final = 125

@@ -142,6 +142,7 @@ class _Daemon:
                 return cli.EXIT_USAGE if isinstance(exc, BadSpec) else cli.EXIT_REFUSED
             env = request.get("env")
             environ = env if isinstance(env, dict) else {}
+            environ = {**environ, "PATH": os.environ.get("PATH", "")}  # keyed: the client's own
             requested = SandboxBackend(args.backend) if args.backend else None
             handle = None
             try:
@@ -193,7 +194,7 @@ def _parse(request: dict[str, Any], err: Any) -> tuple[Any, Any]:
     saved = sys.stdout, sys.stderr
     try:
         sys.stdout = sys.stderr = err  # argparse prints its usage errors here
-        args = cli.parser().parse_args(argv)
+        args = cli.parse_args(argv)  # the settings files too: HOME and XDG_CONFIG_HOME are keyed
         return args, cli.build_spec(args)
     finally:
         sys.stdout, sys.stderr = saved

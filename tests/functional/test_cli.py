@@ -44,6 +44,11 @@ def cli(
     cwd: pathlib.Path | None = None,
     timeout: float = CLI_TIMEOUT_S,
 ) -> subprocess.CompletedProcess[str]:
+    """Run the CLI in `cwd`, by default a directory beside the test's $HOME: never the checkout,
+    which `run` would bind writable when nothing else is bound."""
+    if cwd is None:
+        cwd = pathlib.Path(env["HOME"]).parent / "cwd"
+        cwd.mkdir(exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", "cc_server.cli", *map(str, args)],
         env=env,

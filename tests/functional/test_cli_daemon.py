@@ -80,6 +80,9 @@ def env(tmp_path: pathlib.Path, runtime: pathlib.Path) -> dict[str, str]:
 def client(
     *args: str, env: dict[str, str], cwd: pathlib.Path | None = None
 ) -> subprocess.CompletedProcess[str]:
+    if cwd is None:  # never the checkout: `run` binds its cwd when nothing else is bound
+        cwd = pathlib.Path(env["HOME"]).parent / "cwd"
+        cwd.mkdir(exist_ok=True)
     return subprocess.run(
         [sys.executable, "-m", "cc_server.cli_client", *args],
         env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
