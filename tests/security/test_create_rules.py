@@ -31,9 +31,7 @@ RUN_TIMEOUT_S = 120.0
 
 def _launch(sb: Sandboxes) -> SandboxHandle:
     assert sb.manager.probe_result.create_rules, sb.manager.probe_result.create_rules_hint
-    return sb.manager.launch(
-        parse_spec(sb.spec()), deny_create_globs=STANDARD_DENY_CREATE_GLOBS
-    )
+    return sb.manager.launch(parse_spec(sb.spec()), deny_create_globs=STANDARD_DENY_CREATE_GLOBS)
 
 
 async def _sh(sb: Sandboxes, handle: SandboxHandle, script: str) -> CollectedResult:
@@ -52,9 +50,10 @@ ESCAPES = {
     "mv": ("mv notes.txt notes.pem", "notes.pem"),
     "hard_link": ("ln notes.txt n.pem", "n.pem"),
     "symlink": ("ln -s whatever s.pem", "s.pem"),
-    "through_symlink": ("ln -s x.pem link && echo x > link", "link"),
+    "through_symlink": ("ln -s x.pem link && echo x > link", "x.pem"),  # the name judged
     "tmpfile_linkat": (
-        f"{PYTHON} -c \"" + textwrap.dedent(
+        f'{PYTHON} -c "'
+        + textwrap.dedent(
             """
             import ctypes, os
             fd = os.open('.', os.O_TMPFILE | os.O_WRONLY, 0o600)
@@ -62,7 +61,10 @@ ESCAPES = {
             r = ctypes.CDLL(None, use_errno=True).linkat(fd, b'', -100, b't.pem', 0x1000)
             raise SystemExit(os.strerror(ctypes.get_errno()) if r else 0)
             """
-        ).strip().replace("\n", "; ") + "\"",
+        )
+        .strip()
+        .replace("\n", "; ")
+        + '"',
         "t.pem",
     ),
     "mknod": (f"{PYTHON} -c \"import os; os.mknod('m.key')\"", "m.key"),
@@ -86,7 +88,11 @@ async def test_creating_a_forbidden_name_fails_leaves_nothing_and_is_reported_on
     assert created == set(), created
     assert (sb.worktree / "notes.txt").read_text() == "notes\n"  # mv left it where it was
     action = "file-write-rename" if case == "mv" else "file-write-create"
-    assert [(v.action, v.target) for v in result.violations] == [(action, target)]
+    # The target is the path judged, absolute in the sandbox's view (the worktree is bound at its
+    # host path); the spelling the command used is in `raw`.
+    assert [(v.action, v.target) for v in result.violations] == [
+        (action, f"{sb.worktree}/{target}")
+    ]
 
 
 async def test_ordinary_work_still_works(sb: Sandboxes) -> None:
@@ -146,7 +152,10 @@ async def test_a_tar_member_with_a_forbidden_name_is_refused_and_the_rest_extrac
     result = await _sh(sb, _launch(sb), "tar xf pkg.tar")
     assert result.exit_code != 0
     assert sorted(p.name for p in (sb.worktree / "pkg").iterdir()) == ["a.txt", "b.txt"]
-    assert sorted(v.target for v in result.violations) == ["pkg/.env", "pkg/server.pem"]
+    assert sorted(v.target for v in result.violations) == [
+        f"{sb.worktree}/pkg/.env",
+        f"{sb.worktree}/pkg/server.pem",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -212,7 +221,7 @@ async def test_a_racing_thread_never_gets_the_forbidden_name_created(
     assert made + refused + other == RACE_OPENS and other == 0, result.stdout
     assert refused > 0, "the flip never landed inside a call: the race did not run"
     assert not (sb.worktree / "ok.pem").exists()
-    assert {v.target for v in handle.violations} == {"ok.pem"}
+    assert {v.target for v in handle.violations} == {f"{sb.worktree}/ok.pem"}
     assert len(handle.violations) == refused
 
 
@@ -232,7 +241,7 @@ async def test_killing_everything_inside_does_not_open_the_gate(sb: Sandboxes) -
     assert result.stdout.decode().splitlines()[0] == "0", text  # nobody inside holds a listener
     assert "Permission denied" in text, text
     assert not (sb.worktree / "after-kill.pem").exists()
-    assert [v.target for v in result.violations] == ["after-kill.pem"]
+    assert [v.target for v in result.violations] == [f"{sb.worktree}/after-kill.pem"]
 
 
 async def test_a_second_listener_cannot_be_installed_inside(sb: Sandboxes) -> None:
@@ -291,7 +300,9 @@ async def test_violations_reach_the_event_stream_in_order(sb: Sandboxes) -> None
         timeout_s=RUN_TIMEOUT_S,
     )
     assert result.exit_code == 0
-    assert [v.target for v in result.violations] == ["one.pem", "two.key"]
+    assert [v.target for v in result.violations] == [
+        f"{sb.worktree}/{n}" for n in ("one.pem", "two.key")
+    ]
     assert all(v.raw and "refused to create" in v.raw for v in result.violations)
 
 
@@ -349,6 +360,6 @@ async def test_a_refusal_is_reported_to_the_command_that_made_it_only(sb: Sandbo
         result = await _sh(sb, handle, "echo > mine.pem")
         (wt / "go").write_text("")
         seen = await bystander.collect()
-    assert [v.target for v in result.violations] == ["mine.pem"]
+    assert [v.target for v in result.violations] == [f"{wt}/mine.pem"]
     assert seen.violations == ()
-    assert [v.target for v in handle.violations] == ["mine.pem"]
+    assert [v.target for v in handle.violations] == [f"{wt}/mine.pem"]

@@ -378,7 +378,9 @@ def _step_launcher(
     rules = None
     if rules_needed:
         try:
-            bpf = notify_filter_bpf()
+            bpf = notify_filter_bpf(
+                writes=bool(policy.protected_patterns or policy.protected_absolute)
+            )
         except OSError as exc:
             raise EnforcementFailed(
                 f"could not build the create-rule filter: {exc}",

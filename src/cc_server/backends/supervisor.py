@@ -88,7 +88,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 7  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 8  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -137,14 +137,30 @@ STATE_SYSCALLS: Final[tuple[str, ...]] = (
 PIN_SYSCALLS: Final[tuple[str, ...]] = (
     "clone", "clone3", "fork", "vfork", "sched_setaffinity", "sched_getaffinity",
 )  # fmt: skip
+# Trapped as well when the write policy has path rules (protected patterns or paths): what changes
+# a name or a file that exists. Decided on the path the supervisor resolves itself, then done for
+# the task (fchmodat2 is 452 on every architecture; older libseccomp releases lack its name).
+WRITE_SYSCALLS: Final[tuple[tuple[str | int, str], ...]] = (
+    ("unlink", "removes a name"),
+    ("unlinkat", "removes a name or a directory"),
+    ("rmdir", "removes a directory"),
+    ("truncate", "changes a file's data"),
+    ("chmod", "changes a file's mode (a hook made executable runs)"),
+    ("fchmodat", "changes a file's mode"),
+    (452, "fchmodat2: changes a file's mode, also of a file the task has open"),
+)
+# An open of an existing file that can change its data: for writing, or with O_TRUNC.
+WRITE_OPEN_FLAGS: Final = (os.O_WRONLY, os.O_RDWR, os.O_TRUNC)
 SECCOMP_SET_MODE_FILTER: Final = 1
 SECCOMP_FILTER_FLAG_NEW_LISTENER: Final = 1 << 3
 SECCOMP_LISTENER_LINK: Final = "anon_inode:seccomp notify"  # readlink of a listener fd
 
 
 @functools.cache
-def notify_filter_bpf() -> bytes:
-    """The create-rule filter as classic BPF bytes, for the launcher's `--filter` fd.
+def notify_filter_bpf(*, writes: bool = False) -> bytes:
+    """The create-rule filter as classic BPF bytes, for the launcher's `--filter` fd. With
+    `writes` (the write policy has path rules) it traps `WRITE_SYSCALLS` and the opens of
+    `WRITE_OPEN_FLAGS` too.
 
     Raises:
         OSError: libseccomp is missing or refused a rule (the caller refuses the launch).
@@ -158,6 +174,12 @@ def notify_filter_bpf() -> bytes:
         flt.add_rule(sc.NOTIFY, name)
     for name in (*STATE_SYSCALLS, *PIN_SYSCALLS):
         flt.add_rule(sc.NOTIFY, name)
+    if writes:
+        for flag in WRITE_OPEN_FLAGS:
+            flt.add_rule(sc.NOTIFY, "open", sc.Arg(1, sc.MASKED_EQ, flag, flag))
+            flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, flag, flag))
+        for call, _why in WRITE_SYSCALLS:
+            flt.add_rule(sc.NOTIFY, call)
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
         flt.add_rule(sc.ERRNO(errno.EPERM), name)
@@ -167,7 +189,7 @@ def notify_filter_bpf() -> bytes:
         sc.Arg(0, sc.EQ, SECCOMP_SET_MODE_FILTER),
         sc.Arg(1, sc.MASKED_EQ, SECCOMP_FILTER_FLAG_NEW_LISTENER, SECCOMP_FILTER_FLAG_NEW_LISTENER),
     )
-    return export_bpf(flt, "cc-create-filter")
+    return export_bpf(flt, "cc-write-filter" if writes else "cc-create-filter")
 
 
 # --- the probe's check ------------------------------------------------------------------------
@@ -246,7 +268,8 @@ def check_create_rules(native_dir: Path = NATIVE_DIR) -> CreateRulesCheck:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CreateRefused:
-    """A name the supervisor refused to create (the process got EACCES)."""
+    """A call the supervisor refused (the process got EACCES): a name's creation, or with the
+    write policy's path rules, a change to a protected name or file."""
 
     syscall: str
     target: str
@@ -254,21 +277,42 @@ class CreateRefused:
     name: str
     """The name that would have been created (through a symlink, the link's target's name)."""
     glob: str
-    """The glob it matched."""
+    """The rule it matched: a glob, a protected pattern or path, or why the call was refused."""
     keeper: int | None = None
     """In a session sandbox: the pid (in the sandbox) of the keeper the process runs under,
     which tells the command that made the call (runtime/session_sandbox.py)."""
+    action: str = "file-write-create"
+    """The reference page's verb: file-write-create, -data, -unlink, -rename, -mode, or
+    file-read-data (an O_CREAT open that would only have read a protected file)."""
+    resolved: str = ""
+    """The path that was judged, absolute in the sandbox's view (never a /proc/self/fd link);
+    empty when it could not be read."""
 
     @property
-    def action(self) -> str:
-        """The reference page's verb: a rename (either side) or the creation of a name."""
-        return "file-write-rename" if self.syscall.startswith("rename") else "file-write-create"
+    def judged_target(self) -> str:
+        """The violation's target: the resolved path, or as named when that is unknown."""
+        return self.resolved or self.target
 
     @property
     def raw(self) -> str:
         """One line for logs and SandboxViolation.raw."""
-        verb = "rename" if self.action == "file-write-rename" else "create"
-        return f"{self.syscall}: refused to {verb} {self.name!r} (matches {self.glob!r})"
+        verb = _VERBS.get(self.action, "write")
+        notes = []
+        if self.resolved and self.resolved != self.target:
+            notes.append(f"as named: {self.target!r}")
+        notes.append(self.glob if " " in self.glob else f"matches {self.glob!r}")
+        subject = self.resolved or self.name
+        return f"{self.syscall}: refused to {verb} {subject!r} ({'; '.join(notes)})"
+
+
+_VERBS: Final = {
+    "file-write-create": "create",
+    "file-write-data": "write",
+    "file-write-unlink": "remove",
+    "file-write-rename": "rename",
+    "file-write-mode": "change the mode of",
+    "file-read-data": "open",
+}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -347,11 +391,12 @@ def _parse(buffer: bytearray) -> list[Report]:
         if len(fields) < 5:
             continue  # not a record this version writes
         kind, syscall, target, name, detail = fields[:5]
-        keeper = fields[5] if len(fields) > 5 else ""
+        keeper, action, resolved = (*fields[5:8], "", "", "")[:3]
         if kind == "R":
             reports.append(CreateRefused(
                 syscall=syscall, target=target, name=name, glob=detail,
                 keeper=int(keeper) if keeper.isdigit() else None,
+                action=action or "file-write-create", resolved=resolved,
             ))  # fmt: skip
         else:
             reports.append(SupervisorFault(syscall=syscall, detail=detail))

@@ -206,7 +206,9 @@ class SandboxHandle:
         when it is known to have made the call, else of every running one."""
         if isinstance(report, CreateRefused):
             self.record_violation(
-                SandboxViolation(action=report.action, target=report.target, raw=report.raw),
+                SandboxViolation(
+                    action=report.action, target=report.judged_target, raw=report.raw
+                ),
                 execution,
             )
         else:

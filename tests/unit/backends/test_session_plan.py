@@ -32,7 +32,7 @@ COMMAND = Command(
 @pytest.fixture(autouse=True)
 def fixed_filters(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bwrap_mod, "filter_bpf", lambda: FAKE_BPF)
-    monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", lambda: FAKE_BPF)
+    monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", lambda **_: FAKE_BPF)
 
 
 def _plan(

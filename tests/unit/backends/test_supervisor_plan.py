@@ -43,7 +43,7 @@ SOCAT = "/usr/bin/socat"
 @pytest.fixture(autouse=True)
 def fixed_filters(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bwrap_mod, "filter_bpf", lambda: FAKE_BPF)
-    monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", lambda: FAKE_RULES_BPF)
+    monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", lambda **_: FAKE_RULES_BPF)
 
 
 def _plan(
@@ -135,7 +135,7 @@ def test_relative_tool_paths_are_refused(tools: CreateRuleTools) -> None:
 
 
 def test_a_filter_that_cannot_be_built_refuses_the_launch(monkeypatch: pytest.MonkeyPatch) -> None:
-    def broken() -> bytes:
+    def broken(**_: object) -> bytes:
         raise OSError("libseccomp.so.2: cannot open shared object file")
 
     monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", broken)
