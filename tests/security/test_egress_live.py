@@ -17,6 +17,8 @@ from test_egress import (
     ALLOWED,
     LOOP_NAME,
     LOOPBACK,
+    META_NAME,
+    PY,
     Lab,
     Upstream,
     assert_violations,
@@ -29,6 +31,8 @@ from test_egress import (
 )
 
 from cc_server.backends.probe import ProbeResult
+from cc_server.errors import BadSpec
+from cc_server.runtime.events import EventType
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -97,3 +101,61 @@ async def test_an_address_entry_with_a_port_guards_a_name_on_that_port_only(
     assert all("resolves to 127.0.0.1, a loopback" in (v.raw or "") for v in handle.violations)
     assert all(f"--allow-domain 127.0.0.1:{other.port}" in (v.raw or "")
                for v in handle.violations)  # fmt: skip
+
+
+# Inside: CONNECT to argv[1]:argv[2] every 0.1 s, printing each reply's status line, until one is
+# not 200 (or 200 attempts).
+CONNECT_LOOP = r"""
+import socket, sys, time
+host, port = sys.argv[1], int(sys.argv[2])
+for _ in range(200):
+    with socket.create_connection(("127.0.0.1", 3128), timeout=5) as s:
+        s.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+        status = s.recv(65536).split(b"\r\n")[0].decode()
+    print(status, flush=True)
+    if not status.startswith("HTTP/1.1 200"):
+        break
+    time.sleep(0.1)
+"""
+
+
+async def test_a_live_removal_refuses_the_next_connection_of_a_running_command(lab: Lab) -> None:
+    up = lab.upstream
+    entry = f"{ALLOWED}:{up.port}"
+    handle = lab.launch(egressAllowlist=[entry, f"127.0.0.1:{up.port}"])
+    assert handle.egress is not None and entry in handle.egress.entries
+    execution = handle.exec([PY, "-c", CONNECT_LOOP, ALLOWED, str(up.port)], timeout_s=60)
+    kinds: list[EventType] = []
+    statuses: list[str] = []
+    changed = None
+    async with execution:
+        async for event in execution:
+            kinds.append(event.type)
+            if event.type is EventType.STDOUT and event.data:
+                statuses += event.data.decode().split()
+                if changed is None and "200" in statuses:
+                    changed = handle.egress.remove(entry, by="test")
+            if event.type is EventType.EGRESS_CHANGED:
+                assert event.egress == changed
+    assert changed is not None and changed.removed == (entry,) and changed.added == ()
+    assert await execution.wait() == 0
+    assert "200" in statuses and statuses[-2:] == ["403", "Forbidden"], statuses
+    assert entry not in handle.egress.entries
+    # The command saw the change, then its refusal, as events.
+    assert kinds.index(EventType.EGRESS_CHANGED) < kinds.index(EventType.VIOLATION), kinds
+    assert_violations(handle, [(ALLOWED, up.port)])
+    # Allowed again: the next connection passes.
+    handle.egress.allow(entry)
+    found, _ = await run_raw(handle, attempt("again", "connect", ALLOWED, up.port))
+    assert reached(found["again"], up), found
+
+
+async def test_a_live_allow_cannot_undo_the_deny_list(lab: Lab) -> None:
+    handle = lab.launch(egressAllowlist=[])
+    assert handle.egress is not None
+    with pytest.raises(BadSpec, match="deny list"):
+        handle.egress.allow("169.254.169.254:80")
+    handle.egress.allow(f"{META_NAME}:80")  # a name the deny list does not hold ...
+    found, _ = await run_raw(handle, attempt("meta", "connect", META_NAME, 80))
+    assert refused(found["meta"]), found  # ... is still refused: it resolves to metadata
+    assert "nothing: the deny list" in (handle.violations[0].fix or "")

@@ -108,6 +108,13 @@ ACCEPT_BACKOFF_S: Final = 0.1
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_UNIX_PATH_BYTES: Final = 107
 
+# The advice of a refusal no allowlist entry can undo.
+NOTHING_DENIED: Final = "nothing: the deny list wins over every allowlist entry"
+NOTHING_NETWORK_OFF: Final = (
+    "nothing while the session's network is off (networkEnabled false, or no canUseNetwork)"
+)
+DENIED_ADDRESS: Final = "denied address"  # how _forbidden names an address the deny list holds
+
 _UNREACHABLE_ERRNOS: Final = frozenset(
     {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.ENETDOWN}
 )
@@ -279,6 +286,7 @@ class SessionProxies:
     def __init__(self, params: ProxyParams, listeners: list[_Listener]) -> None:
         self._params = params
         self._listeners = listeners
+        self._allowlist = params.allowlist
         self._deny_only = Allowlist(patterns=(), denied=params.allowlist.denied)
         self._resolver: Resolver = params.resolver or system_resolver
         by_kind = {(lst.protocol, lst.identity is None): lst for lst in listeners}
@@ -300,6 +308,22 @@ class SessionProxies:
         # However the supervisor ends (even cancelled before it ran), the listeners are closed
         # once no accept is pending on them any more.
         self._supervisor.add_done_callback(lambda _: self._release())
+
+    @property
+    def allowlist(self) -> Allowlist:
+        """The allowlist the next connection is checked against."""
+        return self._allowlist
+
+    def set_allowlist(self, allowlist: Allowlist) -> None:
+        """Check every connection from now on against `allowlist` (a connection already past its
+        check, a tunnel already open, goes on). The deny list cannot change.
+
+        Raises:
+            ValueError: `allowlist` has another deny list than the session's.
+        """
+        if allowlist.denied != self._deny_only.denied:
+            raise ValueError("a running session's egress deny list cannot change")
+        self._allowlist = allowlist
 
     @property
     def active_connections(self) -> int:
@@ -427,7 +451,7 @@ class SessionProxies:
 
     def _forbidden(self, address: IPAddress, port: int) -> str | None:
         """Why the proxy must not dial `address` on `port`, or None."""
-        listed = self._params.allowlist.allows(address, port)
+        listed = self._allowlist.allows(address, port)
         if (
             listed.allowed
             and listed.rule is not None
@@ -436,7 +460,7 @@ class SessionProxies:
             return None  # the address itself is on the allowlist (and not on the deny list)
         denied = self._deny_only.allows(address)
         if denied.rule is not None:
-            return f"denied address ({denied.reason})"
+            return f"{DENIED_ADDRESS} ({denied.reason})"
         why = forbidden_reason(address)
         return None if why is None else f"{why} address"
 
@@ -549,9 +573,9 @@ class _Connection:
     # The allowlist, the address guard and the dial.
 
     async def _check(self, event: CheckEgress) -> _Allowed | _Refused | _Unresolved:
-        decision = self._params.allowlist.allows(event.host, event.port)
+        decision = self._proxies.allowlist.allows(event.host, event.port)
         if not decision.allowed:
-            return _denied(decision, event.port, self._params.advice)
+            return _denied(decision, event.port, self._proxies.allowlist, self._params.advice)
         try:
             target = parse_host(event.host)
         except InvalidHostName as exc:  # allows() refused these already; kept for safety
@@ -563,7 +587,7 @@ class _Connection:
                     str(target),
                     f"{target} is a {why}; egress reaches such an address only when that "
                     "address itself is on the allowlist",
-                    self._params.advice(entry_for(str(target), event.port)),
+                    self._how_to_allow(why, entry_for(str(target), event.port)),
                 )
             return _Allowed((target,))
         try:
@@ -581,9 +605,13 @@ class _Connection:
                     target,
                     f"{target} resolves to {address}, a {why}; egress reaches such an address "
                     "only when that address itself is on the allowlist",
-                    self._params.advice(entry_for(str(address), event.port)),
+                    self._how_to_allow(why, entry_for(str(address), event.port)),
                 )
         return _Allowed(unique)
+
+    def _how_to_allow(self, why: str, entry: str) -> str:
+        """The advice for an address the guard refused: none for a denied one."""
+        return NOTHING_DENIED if why.startswith(DENIED_ADDRESS) else self._params.advice(entry)
 
     async def _dial(
         self, addresses: tuple[IPAddress, ...], port: int
@@ -649,13 +677,13 @@ class _Connection:
         return how_to_allow
 
 
-def _denied(decision: Decision, port: int, advice: Callable[[str], str]) -> _Refused:
+def _denied(
+    decision: Decision, port: int, allowlist: Allowlist, advice: Callable[[str], str]
+) -> _Refused:
     if decision.rule is not None:  # the deny list matched: no allowlist entry can help
-        return _Refused(
-            decision.host,
-            decision.reason,
-            "nothing: the deny list wins over every allowlist entry",
-        )
+        return _Refused(decision.host, decision.reason, NOTHING_DENIED)
+    if allowlist.is_empty:  # the network is off: an entry would not be enough
+        return _Refused(decision.host, decision.reason, NOTHING_NETWORK_OFF)
     return _Refused(decision.host, decision.reason, advice(entry_for(decision.host, port)))
 
 

@@ -308,13 +308,19 @@ class IpLiteralPattern:
         return not isinstance(target, str) and self.matches_address(target)
 
     def matches_address(self, address: IPAddress) -> bool:
-        """Whether `address` is this address, or its IPv4-mapped form (the same host)."""
-        if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
-            return address.ipv4_mapped == self.address
-        return address == self.address
+        """Whether `address` is this address, or its IPv4-mapped form (the same host), either
+        way round (an entry `::ffff:10.0.0.1` is the host 10.0.0.1)."""
+        return _unmapped(address) == _unmapped(self.address)
 
     def __str__(self) -> str:
         return self.text
+
+
+def _unmapped(address: IPAddress) -> IPAddress:
+    """An IPv4-mapped IPv6 address as its IPv4 address; any other address as it is."""
+    if isinstance(address, IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
 
 
 HostPattern: TypeAlias = DomainPattern | IpLiteralPattern

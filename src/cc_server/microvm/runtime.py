@@ -71,6 +71,7 @@ class MicroVMRuntime:
             allowlist=allowlist,
             suggest=suggest,
             on_violation=handle.record_violation,
+            on_change=handle.record_egress_change,
             base_dir=self.run_base,
             resolver=resolver,
         )

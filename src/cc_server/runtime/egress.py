@@ -10,6 +10,7 @@ every one whose server process is gone (`remove_stale_session_dirs`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import secrets
@@ -22,6 +23,7 @@ from typing import Protocol
 from cc_server.backends.identity import sandbox_uids
 from cc_server.backends.peer import PeerRule, ThisProcess
 from cc_server.backends.plan import EgressBridge
+from cc_server.egress.changes import EgressChange, apply_change
 from cc_server.egress.driver import (
     AdoptedListener,
     EgressRefused,
@@ -34,7 +36,9 @@ from cc_server.egress.driver import (
 from cc_server.egress.patterns import Allowlist
 from cc_server.errors import EnforcementFailed
 from cc_server.rundir import base_dir_views, egress_base_dir, names_of_dead_owners
-from cc_server.runtime.events import SandboxViolation
+from cc_server.runtime.events import EgressChanged, SandboxViolation
+
+log = logging.getLogger("cc_server.egress")
 
 __all__ = [
     "Monitor",
@@ -120,14 +124,17 @@ class SessionEgress:
         tcp: bool = False,
         monitor: Monitor | None = None,
         peers: PeerRule | None = None,
+        on_change: Callable[[EgressChanged], None] | None = None,
     ) -> None:
         """`tcp`: the proxies also listen on loopback TCP, for a sandbox that shares the host's
         loopback (macOS); `monitor`: the backend's violation monitor, started and stopped with
         the proxies; `peers`: whom the Unix sockets serve (a native session: its own sandboxes,
         `SandboxPeers`; by default only this process, as a microVM's link); `advice`: how a
-        refused host is allowed, when not by the session's egressAllowlist."""
+        refused host is allowed, when not by the session's egressAllowlist; `on_change`: told
+        of each change to the allowlist (`change`), after it applies."""
         self.session_id = session_id
         self.allowlist = allowlist
+        self._on_change = on_change
         self._suggest = suggest
         self._advice = advice or default_advice
         self._on_violation = on_violation
@@ -145,6 +152,51 @@ class SessionEgress:
         """The running proxies, once started."""
         return self._proxies
 
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The allowlist's entries now, canonical (`host`, `host:443`), in order."""
+        return tuple(rule.entry for rule in self.allowlist.patterns)
+
+    def change(self, change: EgressChange, *, by: str = "library") -> EgressChanged:
+        """Remove, then add, allowlist entries (`egress.changes`); the next connection of the
+        session is checked against the result, a tunnel already open goes on. A change that
+        changes something is logged (one line) and reported through `on_change`; `by` says who
+        asked. Works before the proxies start too (their first check sees it).
+
+        Raises:
+            InvalidPattern: an entry is malformed (named `allow[i]` or `remove[i]`).
+            BadSpec: an entry is both added and removed, or is on the deny list.
+            EnforcementFailed: the session is closed.
+        """
+        if self._closed:
+            raise EnforcementFailed(f"the egress of session {self.session_id!r} is closed")
+        applied = apply_change(self.allowlist, change)
+        self.allowlist = applied.allowlist
+        if self._proxies is not None:
+            self._proxies.set_allowlist(applied.allowlist)
+        event = EgressChanged(added=applied.added, removed=applied.removed, by=by)
+        if applied.changed:
+            log.info(
+                "egress %s: allowlist changed by %s: added %s, removed %s",
+                self.session_id,
+                by,
+                ", ".join(applied.added) or "nothing",
+                ", ".join(applied.removed) or "nothing",
+            )
+            if self._on_change is not None:
+                self._on_change(event)
+        return event
+
+    def allow(self, *entries: str, by: str = "library") -> EgressChanged:
+        """Add entries (`host`, `host:443`, ...) to the running session's allowlist; see
+        `change`, which says what it raises."""
+        return self.change(EgressChange(allow=entries), by=by)
+
+    def remove(self, *entries: str, by: str = "library") -> EgressChanged:
+        """Remove entries (by their canonical text) from the running session's allowlist; see
+        `change`, which says what it raises."""
+        return self.change(EgressChange(remove=entries), by=by)
+
     def _refused(self, refusal: EgressRefused) -> None:
         self._on_violation(
             SandboxViolation(
@@ -152,6 +204,8 @@ class SessionEgress:
                 target=_host_port(refusal.host, refusal.port),
                 suggested_capability=refusal.suggested_capability,
                 raw=refusal.raw,
+                reason=refusal.reason,
+                fix=refusal.how_to_allow,
             )
         )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Final
 
 __all__ = [
+    "EgressChanged",
     "EventType",
     "IllegalTransition",
     "SandboxEvent",
@@ -65,6 +66,7 @@ class EventType(enum.StrEnum):
     VIOLATION = "violation"
     KILLED = "killed"
     EXIT = "exit"
+    EGRESS_CHANGED = "egress-changed"  # the session's allowlist changed while it runs
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -75,15 +77,35 @@ class SandboxViolation:
     target: str
     suggested_capability: str | None = None
     raw: str | None = None
+    reason: str | None = None  # why, in one sentence (egress refusals)
+    fix: str | None = None  # what would allow it, or why nothing can (egress refusals)
 
     def to_json(self) -> dict[str, object]:
-        """The spec's camelCase form."""
-        return {
+        """The spec's camelCase form, plus `reason` and `fix` when they are known."""
+        out: dict[str, object] = {
             "action": self.action,
             "target": self.target,
             "suggestedCapability": self.suggested_capability,
             "raw": self.raw,
         }
+        if self.reason is not None:
+            out["reason"] = self.reason
+        if self.fix is not None:
+            out["fix"] = self.fix
+        return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EgressChanged:
+    """A change to a running session's egress allowlist, effective for its next connection."""
+
+    added: tuple[str, ...]  # canonical entries (`host:443`)
+    removed: tuple[str, ...]
+    by: str  # who asked: "library", "api", "dispatch", "approval"
+
+    def to_json(self) -> dict[str, object]:
+        """camelCase JSON."""
+        return {"added": list(self.added), "removed": list(self.removed), "by": self.by}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +119,7 @@ class SandboxEvent:
     exit_code: int | None = None  # exit
     reason: str | None = None  # killed: "timeout", "manual", "destroyed"
     violation: SandboxViolation | None = None  # violation
+    egress: EgressChanged | None = None  # egress-changed
 
     def to_json(self) -> dict[str, object]:
         """camelCase JSON; output bytes are decoded as UTF-8 with replacement characters."""
@@ -111,4 +134,6 @@ class SandboxEvent:
             out["reason"] = self.reason
         if self.violation is not None:
             out["violation"] = self.violation.to_json()
+        if self.egress is not None:
+            out["egress"] = self.egress.to_json()
         return out

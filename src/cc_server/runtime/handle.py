@@ -32,9 +32,12 @@ from cc_server.backends.supervisor import (
     stop_supervisor,
     watch_reports,
 )
+from cc_server.egress.changes import EgressChange
+from cc_server.egress.patterns import Allowlist
 from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
 from cc_server.runtime.events import (
+    EgressChanged,
     EventType,
     SandboxEvent,
     SandboxState,
@@ -69,6 +72,26 @@ class EgressPort(Protocol):
 
     async def aclose(self) -> None:
         """Stop the proxies and remove their sockets. Idempotent."""
+        ...
+
+    allowlist: Allowlist
+    """The allowlist the next connection is checked against (its deny list included)."""
+
+    @property
+    def entries(self) -> tuple[str, ...]:
+        """The session's allowlist entries now, canonical."""
+        ...
+
+    def change(self, change: EgressChange, *, by: str = "library") -> EgressChanged:
+        """Remove, then add, allowlist entries for the next connection (see runtime.egress)."""
+        ...
+
+    def allow(self, *entries: str, by: str = "library") -> EgressChanged:
+        """Add allowlist entries for the next connection (see runtime.egress)."""
+        ...
+
+    def remove(self, *entries: str, by: str = "library") -> EgressChanged:
+        """Remove allowlist entries for the next connection (see runtime.egress)."""
         ...
 
 
@@ -223,6 +246,11 @@ class SandboxHandle:
         if not self._running and self.state is SandboxState.ACTIVE:
             self.transition(SandboxState.WARM)
 
+    def record_egress_change(self, change: EgressChanged) -> None:
+        """Tell every running execution that the session's allowlist changed (an event)."""
+        for running in list(self._running):
+            running.push_event(EventType.EGRESS_CHANGED, egress=change)
+
     def record_violation(
         self, violation: SandboxViolation, execution: Execution | None = None
     ) -> None:
@@ -307,8 +335,12 @@ class Execution:
 
     def push_violation(self, violation: SandboxViolation) -> None:
         """Queue a violation event without blocking (dropped only if the consumer is gone)."""
+        self.push_event(EventType.VIOLATION, violation=violation)
+
+    def push_event(self, kind: EventType, **fields: Any) -> None:
+        """Queue an event without blocking (dropped only if the consumer is gone)."""
         with contextlib.suppress(asyncio.QueueFull):
-            self._queue.put_nowait(self._event(EventType.VIOLATION, violation=violation))
+            self._queue.put_nowait(self._event(kind, **fields))
 
     async def __aenter__(self) -> Execution:
         command = dataclasses.replace(self.command, in_session_sandbox=True)

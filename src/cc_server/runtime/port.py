@@ -106,6 +106,7 @@ def _launch(
             suggest=suggest,
             advice=operator_egress.advice if operator_egress is not None else None,
             on_violation=handle.record_violation,
+            on_change=handle.record_egress_change,
             base_dir=egress_base,
             resolver=egress_resolver,
             tcp=seatbelt,

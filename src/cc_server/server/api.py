@@ -1,4 +1,5 @@
-"""The sandbox API: create, list, inspect, destroy, exec (collected and streamed), kill.
+"""The sandbox API: create, list, inspect, destroy, exec (collected and streamed), kill, and the
+egress allowlist of a running sandbox (GET / PATCH .../egress).
 
 JSON bodies use the reference page's field names. Errors are an ErrorBody with a status a caller
 can act on: 400 bad input (nothing was created or run), 401 no token, 404 unknown sandbox, 409 id
@@ -21,6 +22,7 @@ from typing import Any, Final, NoReturn
 import msgspec
 from aiohttp import WSMsgType, web
 
+from cc_server.egress.changes import EgressChange
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
@@ -31,6 +33,7 @@ from cc_server.server.exec_result import send_exec_result
 from cc_server.server.logs import log_event
 from cc_server.server.models import (
     CreateSandboxWire,
+    EgressChangeRequest,
     ExecRequest,
     ExecStreamInput,
 )
@@ -210,6 +213,43 @@ async def kill_commands(request: web.Request) -> web.StreamResponse:
     for execution in executions:
         await execution.kill(reason="manual")
     return web.json_response({"killed": len(executions)})
+
+
+def _egress_view(handle: SandboxHandle) -> dict[str, Any]:
+    egress = handle.egress
+    if egress is None:
+        raise _Refused(409, "Conflict",
+                       f"sandbox {handle.session_id!r} has no egress proxies (backend "
+                       f"{handle.backend}): its network is not decided per connection",
+                       "create the sandbox with the native or microvm backend")
+    return {"entries": list(egress.entries),
+            "denied": [rule.entry for rule in egress.allowlist.denied]}
+
+
+@routes.get("/v1/sandboxes/{id}/egress")
+async def get_egress(request: web.Request) -> web.StreamResponse:
+    """The sandbox's allowlist and deny list now."""
+    return web.json_response(_egress_view(_handle(_state(request), request.match_info["id"])))
+
+
+@routes.patch("/v1/sandboxes/{id}/egress")
+async def change_egress(request: web.Request) -> web.StreamResponse:
+    """Remove, then add, allowlist entries; effective for the sandbox's next connection."""
+    handle = _handle(_state(request), request.match_info["id"])
+    req: EgressChangeRequest = _decode(await request.read(), EgressChangeRequest)
+    _egress_view(handle)  # 409 without egress
+    assert handle.egress is not None
+    try:
+        change = handle.egress.change(
+            EgressChange(allow=tuple(req.allow), remove=tuple(req.remove)), by="api"
+        )
+    except CcServerError as exc:
+        _refuse_error(exc)
+    if change.added or change.removed:
+        log_event("sandbox.egress", f"sandbox {handle.session_id} egress changed",
+                  sessionId=handle.session_id, added=list(change.added),
+                  removed=list(change.removed))
+    return web.json_response({**_egress_view(handle), "change": change.to_json()})
 
 
 def _vm(request: web.Request) -> MicroVMHandle:

@@ -14,6 +14,9 @@ from cc_server.runtime.events import EventType, SandboxState
 
 __all__ = [
     "CreateSandboxRequest",
+    "EgressChangeRequest",
+    "EgressChangedView",
+    "EgressView",
     "ErrorBody",
     "ExecRequest",
     "ExecResult",
@@ -63,13 +66,45 @@ class ExecRequest(_Body, frozen=True):
     timeout_s: _Timeout | None = None  # kill the command after this many seconds
 
 
-class SandboxViolationView(_Body, frozen=True):
+class SandboxViolationView(_Body, frozen=True, omit_defaults=True):
     """A refused operation (SandboxViolation)."""
 
     action: str  # the denied verb: file-read*, network-outbound, ...
     target: str  # path or host:port
     suggested_capability: str | None  # the capability that would allow it
     raw: str | None  # the raw log line, for debugging
+    reason: str | None = None  # why, in one sentence (egress refusals)
+    fix: str | None = None  # what would allow it, or why nothing can (egress refusals)
+
+
+_Entries = Annotated[
+    list[str],
+    msgspec.Meta(max_length=256, description="Allowlist entries: host, *.domain, a.*.b or an IP "
+                 "literal, each with an optional :port ([2001:db8::1]:8080)"),
+]
+
+
+class EgressChangeRequest(_Body, frozen=True, omit_defaults=True):
+    """PATCH /v1/sandboxes/{id}/egress: removals first, then additions; for the next connection."""
+
+    allow: _Entries = msgspec.field(default_factory=list)  # entries to add
+    remove: _Entries = msgspec.field(default_factory=list)  # entries to remove (exact text)
+
+
+class EgressChangedView(_Body, frozen=True):
+    """A change to a running session's allowlist (the `egress-changed` event's `egress`)."""
+
+    added: list[str]  # canonical entries added (not those already there)
+    removed: list[str]  # canonical entries removed (not those that were not there)
+    by: str  # who asked: api, library, dispatch, approval
+
+
+class EgressView(_Body, frozen=True):
+    """GET and PATCH /v1/sandboxes/{id}/egress: the allowlist now, and what a PATCH changed."""
+
+    entries: list[str]  # the session's allowlist, canonical, in order
+    denied: list[str]  # the deny list (wins over every entry; cannot change)
+    change: EgressChangedView | None = None  # PATCH: what it did
 
 
 class ExecResult(_Body, frozen=True):
@@ -119,6 +154,7 @@ class SandboxEventView(_Body, frozen=True, omit_defaults=True):
     exit_code: int | None = None  # exit
     reason: str | None = None  # killed: timeout, manual, destroyed, disconnected, shutdown
     violation: SandboxViolationView | None = None  # violation
+    egress: EgressChangedView | None = None  # egress-changed
 
 
 class ExecStreamInput(_Body, frozen=True, omit_defaults=True):

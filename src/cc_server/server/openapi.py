@@ -10,6 +10,8 @@ import msgspec
 from cc_server import __version__
 from cc_server.server.models import (
     CreateSandboxRequest,
+    EgressChangeRequest,
+    EgressView,
     ErrorBody,
     ExecRequest,
     ExecResult,
@@ -31,6 +33,8 @@ BACKEND_UNAVAILABLE_STATUS: Final = 409
 
 _MODELS: Final = (
     CreateSandboxRequest,
+    EgressChangeRequest,
+    EgressView,
     ErrorBody,
     ExecRequest,
     ExecResult,
@@ -145,6 +149,22 @@ def _paths() -> dict[str, Any]:
             "post": {
                 "summary": "Kill the sandbox's running commands (the sandbox stays)",
                 "responses": {"200": _json(KillResult, "killed"), **_errors(401, 404)},
+            },
+        },
+        "/v1/sandboxes/{id}/egress": {
+            "parameters": [_ID_PARAM],
+            "get": {
+                "summary": "The sandbox's egress allowlist and deny list now",
+                "responses": {"200": _json(EgressView, "the allowlist"), **_errors(401, 404)},
+            },
+            "patch": {
+                "summary": "Remove, then add, allowlist entries (host[:port]); the sandbox's "
+                           "next connection is checked against the result, an open tunnel goes "
+                           "on; each change is an `egress-changed` event and a log line",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref(EgressChangeRequest)}}},
+                "responses": {"200": _json(EgressView, "the allowlist after the change"),
+                              **_errors(400, 401, 404, 409)},
             },
         },
         "/v1/sandboxes/{id}/suspend": {

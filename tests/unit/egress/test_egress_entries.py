@@ -193,3 +193,12 @@ def test_operator_settings_take_port_entries() -> None:
 def test_a_bad_operator_entry_names_the_setting() -> None:
     with pytest.raises(InvalidPattern, match=f"{ALLOW_FLAG} 'x.example:99999'"):
         OperatorEgress.build(["x.example:99999"], {})
+
+
+def test_an_ipv4_mapped_entry_is_its_ipv4_host() -> None:
+    # Found by the fuzzer: an entry spelled as an IPv4-mapped address matched nothing, itself
+    # included.
+    allowlist = _listed("[::ffff:10.1.2.3]:5432")
+    assert allowlist.allows("::ffff:10.1.2.3", 5432).allowed
+    assert allowlist.allows("10.1.2.3", 5432).allowed
+    assert not allowlist.allows("10.1.2.3", 5433).allowed

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from cc_server.runtime.events import (
+    EgressChanged,
     EventType,
     IllegalTransition,
     SandboxEvent,
@@ -61,6 +62,7 @@ def test_state_and_event_names() -> None:
     ]  # fmt: skip
     assert [str(t) for t in EventType] == [
         "starting", "ready", "stdout", "stderr", "violation", "killed", "exit",
+        "egress-changed",  # ours: a running session's allowlist changed
     ]  # fmt: skip
     assert issubclass(IllegalTransition, RuntimeError)
 
@@ -140,4 +142,18 @@ def test_violation_to_json_with_and_without_optionals() -> None:
         "target": "evil.example:443",
         "suggestedCapability": None,
         "raw": None,
+    }
+
+
+def test_egress_fields_are_in_json_only_when_set() -> None:
+    refused = SandboxViolation(action="network-outbound", target="x.example:443",
+                               reason="not listed", fix="--allow-domain x.example:443")
+    assert refused.to_json()["reason"] == "not listed"
+    assert refused.to_json()["fix"] == "--allow-domain x.example:443"
+    assert "reason" not in SandboxViolation(action="a", target="t").to_json()
+    change = EgressChanged(added=("x.example:443",), removed=(), by="api")
+    event = SandboxEvent(type=EventType.EGRESS_CHANGED, session_id="s", egress=change)
+    assert event.to_json() == {
+        "type": "egress-changed", "sessionId": "s",
+        "egress": {"added": ["x.example:443"], "removed": [], "by": "api"},
     }

@@ -1,0 +1,140 @@
+"""A running sandbox's egress through the API of a real server: GET and PATCH
+/v1/sandboxes/{id}/egress, against real bubblewrap and an HTTP server on the host's loopback
+(allowed as an IP literal with its port)."""
+
+from __future__ import annotations
+
+import http.server
+import pathlib
+import secrets
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from server_kit import Server, running_server
+
+pytestmark = pytest.mark.integration
+
+# curl honours NO_PROXY (the bridge puts loopback in it) even with -x; '' overrides it.
+CURL = "curl -sS -m 10 -o /dev/null -w %{http_code} --noproxy '' -x http://127.0.0.1:3128"
+
+
+class _Quiet(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tmp_path_factory.mktemp("egress-api")) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def client(server: Server) -> AsyncIterator[aiohttp.ClientSession]:
+    async with server.client(timeout=aiohttp.ClientTimeout(total=60)) as session:
+        yield session
+
+
+@pytest.fixture
+def upstream_port() -> Iterator[int]:
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Quiet)
+    thread = threading.Thread(target=httpd.serve_forever, name="upstream", daemon=True)
+    thread.start()
+    try:
+        yield httpd.server_address[1]
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+
+async def curl(client: aiohttp.ClientSession, session_id: str, port: int) -> dict[str, Any]:
+    body = {"argv": ["/bin/sh", "-c", f"{CURL} http://127.0.0.1:{port}/"], "timeoutS": 30}
+    async with client.post(f"/v1/sandboxes/{session_id}/exec", json=body) as response:
+        assert response.status == 200
+        return dict(await response.json())
+
+
+async def test_patch_changes_the_next_connection_and_is_logged(
+    server: Server, client: aiohttp.ClientSession, upstream_port: int, tmp_path: pathlib.Path
+) -> None:
+    sid = f"egress-{secrets.token_hex(6)}"
+    entry = f"127.0.0.1:{upstream_port}"
+    spec = {"sessionId": sid, "workspaceId": "w", "bindMounts": [{"hostPath": str(tmp_path)}]}
+    async with client.post("/v1/sandboxes", json={"spec": spec}) as response:
+        assert response.status == 201, await response.text()
+    try:
+        first = await curl(client, sid, upstream_port)
+        assert first["stdout"] == "403" and len(first["violations"]) == 1, first
+        refusal = first["violations"][0]
+        assert refusal["target"] == entry and "not on this session's egress" in refusal["reason"]
+        assert f"--allow-domain {entry}" in refusal["fix"], refusal
+
+        async with client.patch(f"/v1/sandboxes/{sid}/egress", json={"allow": [entry]}) as resp:
+            assert resp.status == 200, await resp.text()
+            view = await resp.json()
+        assert view["change"] == {"added": [entry], "removed": [], "by": "api"}
+        assert view["entries"][-1] == entry and "169.254.169.254" in view["denied"]
+        allowed = await curl(client, sid, upstream_port)
+        assert allowed["stdout"] == "200" and allowed["violations"] == [], allowed
+
+        async with client.patch(f"/v1/sandboxes/{sid}/egress", json={"remove": [entry]}) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["change"]["removed"] == [entry]
+        again = await curl(client, sid, upstream_port)
+        assert again["stdout"] == "403", again
+
+        async with client.get(f"/v1/sandboxes/{sid}/egress") as resp:
+            assert entry not in (await resp.json())["entries"]
+        changes = [e for e in server.log() if e.get("event") == "sandbox.egress"
+                   and e.get("sessionId") == sid]  # fmt: skip
+        assert [(e.get("added"), e.get("removed")) for e in changes] == [
+            ([entry], []), ([], [entry])
+        ], changes
+    finally:
+        async with client.delete(f"/v1/sandboxes/{sid}"):
+            pass
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "error"),
+    [
+        ({"allow": ["bad.example:0"]}, 400, "InvalidPattern"),
+        ({"allow": ["169.254.169.254"]}, 400, "BadSpec"),
+        ({"allow": ["a.example"], "remove": ["a.example"]}, 400, "BadSpec"),
+        ({"grant": ["a.example"]}, 400, "BadRequest"),
+    ],
+)
+async def test_a_bad_patch_is_refused_and_changes_nothing(
+    client: aiohttp.ClientSession, tmp_path: pathlib.Path,
+    body: dict[str, Any], status: int, error: str,
+) -> None:
+    sid = f"egress-{secrets.token_hex(6)}"
+    spec = {"sessionId": sid, "workspaceId": "w", "bindMounts": [{"hostPath": str(tmp_path)}]}
+    async with client.post("/v1/sandboxes", json={"spec": spec}) as response:
+        assert response.status == 201
+    try:
+        async with client.get(f"/v1/sandboxes/{sid}/egress") as resp:
+            before = (await resp.json())["entries"]
+        async with client.patch(f"/v1/sandboxes/{sid}/egress", json=body) as resp:
+            data = await resp.json()
+            assert resp.status == status and data["error"] == error, data
+        async with client.get(f"/v1/sandboxes/{sid}/egress") as resp:
+            assert (await resp.json())["entries"] == before
+    finally:
+        async with client.delete(f"/v1/sandboxes/{sid}"):
+            pass
+
+
+async def test_an_unknown_sandbox_is_404(client: aiohttp.ClientSession) -> None:
+    async with client.patch("/v1/sandboxes/nope/egress", json={"allow": []}) as resp:
+        assert resp.status == 404
