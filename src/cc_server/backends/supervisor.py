@@ -147,6 +147,7 @@ WRITE_SYSCALLS: Final[tuple[tuple[str | int, str], ...]] = (
     ("truncate", "changes a file's data"),
     ("chmod", "changes a file's mode (a hook made executable runs)"),
     ("fchmodat", "changes a file's mode"),
+    ("fchmod", "changes the mode of a file the task has open (for reading, say)"),
     (452, "fchmodat2: changes a file's mode, also of a file the task has open"),
 )
 # An open of an existing file that can change its data: for writing, or with O_TRUNC.

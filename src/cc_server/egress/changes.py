@@ -17,7 +17,6 @@ Raises `InvalidPattern` (a malformed entry, naming it) or `BadSpec` (see `apply_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cc_server.egress.addresses import IPAddress
@@ -25,10 +24,9 @@ from cc_server.egress.patterns import (
     Allowlist,
     AllowlistRule,
     DomainPattern,
-    InvalidPattern,
     Wildcard,
     format_entry,
-    parse_entry,
+    parse_rules,
 )
 from cc_server.errors import BadSpec
 
@@ -74,8 +72,8 @@ def apply_change(allowlist: Allowlist, change: EgressChange) -> AppliedChange:
         BadSpec: an entry is both added and removed, or an added entry names a host or address
             the deny list refuses on every port.
     """
-    adding = _parsed("allow", change.allow, change.reason)
-    removing = {rule.entry for rule in _parsed("remove", change.remove, change.reason)}
+    adding = parse_rules("allow", change.allow, change.reason)
+    removing = {rule.entry for rule in parse_rules("remove", change.remove, change.reason)}
     both = removing.intersection(rule.entry for rule in adding)
     if both:
         raise BadSpec(
@@ -98,17 +96,6 @@ def apply_change(allowlist: Allowlist, change: EgressChange) -> AppliedChange:
     return AppliedChange(
         allowlist=result, added=tuple(rule.entry for rule in new), removed=removed
     )
-
-
-def _parsed(field: str, texts: Iterable[str], reason: str) -> list[AllowlistRule]:
-    rules = []
-    for i, text in enumerate(texts):
-        try:
-            pattern, port = parse_entry(text)
-        except InvalidPattern as exc:
-            raise InvalidPattern(f"{field}[{i}]: {exc.message}") from None
-        rules.append(AllowlistRule(pattern=pattern, reason=reason, port=port))
-    return rules
 
 
 def _refuse_denied(allowlist: Allowlist, rule: AllowlistRule) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import enum
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from ipaddress import IPv6Address
 from typing import NamedTuple, TypeAlias
@@ -53,6 +54,7 @@ __all__ = [
     "parse_entry",
     "parse_host",
     "parse_pattern",
+    "parse_rules",
 ]
 
 MAX_NAME_LENGTH = 253  # RFC 1035: 255 octets on the wire, 253 characters in text form
@@ -425,6 +427,22 @@ class AllowlistRule(NamedTuple):
 
     def __str__(self) -> str:
         return self.entry
+
+
+def parse_rules(field: str, texts: Iterable[str], reason: str) -> tuple[AllowlistRule, ...]:
+    """Parse allowlist entries into rules with one `reason`.
+
+    Raises:
+        InvalidPattern: an entry is malformed; the message names it as `field[i]`.
+    """
+    rules = []
+    for i, text in enumerate(texts):
+        try:
+            pattern, port = parse_entry(text)
+        except InvalidPattern as exc:
+            raise InvalidPattern(f"{field}[{i}]: {exc.message}") from None
+        rules.append(AllowlistRule(pattern=pattern, reason=reason, port=port))
+    return tuple(rules)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -28,9 +28,8 @@ from cc_server.egress.patterns import (
     Allowlist,
     AllowlistRule,
     InvalidHostName,
-    InvalidPattern,
-    parse_entry,
     parse_host,
+    parse_rules,
 )
 from cc_server.policy.spec import AgentCapabilities, SandboxSpec
 
@@ -59,8 +58,8 @@ def allowlist_for(
             names it (`egressAllowlist[2]`, `ticketing_domains[0]`).
     """
     caps = spec.capabilities if capabilities is None else capabilities
-    extra = _rules("egressAllowlist", spec.egress_allowlist, SPEC_ALLOWLIST_REASON)
-    ticketing = _rules("ticketing_domains", ticketing_domains, TICKETING_REASON)
+    extra = parse_rules("egressAllowlist", spec.egress_allowlist, SPEC_ALLOWLIST_REASON)
+    ticketing = parse_rules("ticketing_domains", ticketing_domains, TICKETING_REASON)
     if not (spec.network_enabled and caps.can_use_network):
         return Allowlist(patterns=(), denied=BASELINE_DENIED)
     rules = [*BASELINE_ALLOWED, *extra_baseline]
@@ -70,17 +69,6 @@ def allowlist_for(
     if caps.can_call_ticketing:
         rules += ticketing
     return Allowlist(patterns=_unique(rules), denied=BASELINE_DENIED)
-
-
-def _rules(field: str, texts: Iterable[str], reason: str) -> tuple[AllowlistRule, ...]:
-    rules = []
-    for i, text in enumerate(texts):
-        try:
-            pattern, port = parse_entry(text)
-        except InvalidPattern as exc:
-            raise InvalidPattern(f"{field}[{i}]: {exc.message}") from None
-        rules.append(AllowlistRule(pattern=pattern, reason=reason, port=port))
-    return tuple(rules)
 
 
 def _unique(rules: list[AllowlistRule]) -> tuple[AllowlistRule, ...]:

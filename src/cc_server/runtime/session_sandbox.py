@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Final
 
 from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import receive_fds, wait_writable
-from cc_server.backends.plan import LaunchPlan, SessionCommand
+from cc_server.backends.plan import LaunchPlan, SandboxIdentity, SessionCommand
 from cc_server.backends.runner import start
 from cc_server.backends.supervisor import (
     CreateRefused,
@@ -315,6 +315,7 @@ class SessionSandbox:
                 if mode == asyncio.subprocess.PIPE:
                     read_end, write_end = os.pipe2(os.O_CLOEXEC)
                     keep, give = (write_end, read_end) if index == 0 else (read_end, write_end)
+                    _give_pipe(give, self.plan.identity)
                     mine.append(give)
                     theirs.append(give)
                     if index == 0:
@@ -330,6 +331,8 @@ class SessionSandbox:
                     theirs.append(mine[-1])
                 else:
                     theirs.append(index if mode is None else mode)
+                    if mode is not None:  # a caller's own stream (the CLI's), never the server's
+                        _give_pipe(mode, self.plan.identity)
             self._running[request_id] = proc
             try:
                 await _send(self._requests, message, theirs)
@@ -498,3 +501,17 @@ async def _send(sock: socket.socket, message: bytes, fds: list[int]) -> None:
             return
         except BlockingIOError:
             await wait_writable(sock)
+
+
+def _give_pipe(fd: int, identity: SandboxIdentity | None) -> None:
+    """Give a command's stream, when it is a pipe, to a root server's sandbox identity.
+
+    A pipe is its maker's, mode 0600: the command could not reopen it by name (`echo >
+    /dev/stderr` opens /proc/self/fd/2, which checks the pipe's owner). Terminals and files keep
+    their owner; cc-identity does the same for a command it starts itself.
+    """
+    if identity is None:
+        return
+    with contextlib.suppress(OSError):  # not a pipe, or gone: the command sees what it is
+        if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:["):
+            os.fchown(fd, identity.uid, identity.gid)

@@ -16,7 +16,8 @@
  *      idmapped (mount_setattr MOUNT_ATTR_IDMAP) so that its owner's uid and gid appear as U
  *      and G, then attached at DIR/i. A SRC below an earlier one is idmapped to that one's
  *      owner: what a command can move to a nested root's path keeps its own owner;
- *   3. the tmpfs at DIR is made read-only.
+ *   3. the tmpfs at DIR is made read-only;
+ *   4. stdin, stdout and stderr, where they are pipes, are given to U (give_pipes).
  *
  * Through DIR/i, the sandbox (as U) reads and writes SRC as its owner, and what it creates there
  * belongs on the host to that owner: a root server still writes root-owned checkouts as root, and
@@ -250,6 +251,22 @@ static void become(uid_t u, gid_t g) {
         die("could not drop to uid %u gid %u", (unsigned)u, (unsigned)g);
 }
 
+/* The command's stdin, stdout and stderr, when they are pipes the server made (as root, mode
+ * 0600): given to U, so that the command can reopen them by name (`echo > /dev/stderr` opens
+ * /proc/self/fd/2, which checks the pipe's owner). Terminals and files are left as they are. */
+static void give_pipes(uid_t u, gid_t g) {
+    for (int fd = 0; fd <= 2; fd++) {
+        char link[32], target[64];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+        ssize_t n = readlink(link, target, sizeof target - 1);
+        if (n <= 0)
+            continue;
+        target[n] = '\0';
+        if (strncmp(target, "pipe:[", 6) == 0 && fchown(fd, u, g) < 0)
+            die("give stream %d to uid %u: %s", fd, (unsigned)u, strerror(errno));
+    }
+}
+
 static int selftest(uid_t u, gid_t g) {
     /* Named by pid, so a probe after a killed one removes what it left (identity.py). */
     char tmpl[64];
@@ -333,6 +350,7 @@ int main(int argc, char **argv) {
     seal_stage(stage);
     for (int o = 0; o < nowners; o++)
         close(owners[o].ns);
+    give_pipes(u, g);
     become(u, g);
     execv(argv[i], &argv[i]);
     die("exec %s: %s", argv[i], strerror(errno));

@@ -782,17 +782,52 @@ static bool judge_path(int dir_fd, const char *name) {
     return true;
 }
 
+/* Whether the object `fd` has no name a rule could protect: a pipe, a socket or another
+ * anonymous inode (its link is "pipe:[N]" and the like, reached through /proc/self/fd/N, as
+ * `echo > /dev/stderr` does), or a file whose last name is gone. */
+static bool not_a_path(int fd) {
+    char link[64], target[PATH_MAX];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, target, sizeof target - 1);
+    if (n > 0 && target[0] != '/')
+        return true;
+    struct stat st;
+    return fstat(fd, &st) == 0 && !S_ISDIR(st.st_mode) && st.st_nlink == 0;
+}
+
 /* The path rules for `name` in the pinned directory `dir_fd`, on its path in the task's view
  * (judge_path). A directory whose path cannot be read is refused. */
 static bool path_refused(const struct ccs *s, int dir_fd, const char *name, const char **which) {
     if (!has_path_rules(s))
         return false;
     if (!judge_path(dir_fd, name)) {
+        if (name[0] == '\0' && not_a_path(dir_fd))
+            return false;
         *which = PATH_UNKNOWN;
         return true;
     }
     const char *base = strrchr(judged, '/');
     return full_path_refused(s, judged, base ? base + 1 : judged, which);
+}
+
+/* Whether `name` in `dir_fd` lies on the way to a protected path (an absolute rule below it): such
+ * a name may not be removed, renamed or made as anything but a directory, or the protected
+ * spelling would lead elsewhere (`rm L && ln -s elsewhere L` re-points L/settings.json). */
+#define ON_THE_WAY "on the way to a protected path: removed or replaced, the path would lead elsewhere"
+static bool ancestor_refused(const struct ccs *s, int dir_fd, const char *name, const char **which) {
+    if (s->nabsolutes == 0)
+        return false;
+    if (!judge_path(dir_fd, name)) {
+        *which = PATH_UNKNOWN;
+        return true;
+    }
+    for (int i = 0; i < s->nabsolutes; i++) {
+        if (path_under(s->absolutes[i], judged)) {
+            *which = ON_THE_WAY;
+            return true;
+        }
+    }
+    return false;
 }
 
 /* --- reading the task ---------------------------------------------------------------------- */
@@ -1913,7 +1948,8 @@ static int name_for_create(struct req *q, const char *path, struct resolved *r, 
         return EEXIST;
     const char *glob;
     if (glob_refused(q->s, r->dir_fd, r->name, &glob) ||
-        path_refused(q->s, r->dir_fd, r->name, &glob)) {
+        path_refused(q->s, r->dir_fd, r->name, &glob) ||
+        (!is_mkdir && ancestor_refused(q->s, r->dir_fd, r->name, &glob))) {
         refuse_at(q, path, r->dir_fd, r->name, glob);
         *refused = true;
         return 0;
@@ -2114,14 +2150,16 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
         }
         /* A protected path may be neither the new name nor the old one (moved away, a
          * protected path could be rebuilt around its rule). */
-        if (path_refused(s, rn.dir_fd, rn.name, &glob)) {
+        if (path_refused(s, rn.dir_fd, rn.name, &glob) ||
+            ancestor_refused(s, rn.dir_fd, rn.name, &glob)) {
             q->action = "file-write-rename";
             refuse(q, newp, rn.name, glob);
             res_close(&ro);
             res_close(&rn);
             return;
         }
-        if (path_refused(s, ro.dir_fd, ro.name, &glob)) {
+        if (path_refused(s, ro.dir_fd, ro.name, &glob) ||
+            ancestor_refused(s, ro.dir_fd, ro.name, &glob)) {
             q->action = "file-write-rename";
             refuse(q, oldp, ro.name, glob);
             res_close(&ro);
@@ -2184,7 +2222,8 @@ static void do_unlink(struct req *q, int dirfd, uint64_t addr, int flags) {
         res_close(&r);
         return;
     }
-    if (!err && path_refused(s, r.dir_fd, r.name, &glob)) {
+    if (!err && (path_refused(s, r.dir_fd, r.name, &glob) ||
+                 ancestor_refused(s, r.dir_fd, r.name, &glob))) {
         q->action = "file-write-unlink";
         refuse(q, path, r.name, glob);
         res_close(&r);
@@ -2296,6 +2335,22 @@ static void do_chmod(struct req *q, int dirfd, uint64_t addr, mode_t mode, int f
         snprintf(self, sizeof self, "/proc/self/fd/%d", obj);
         err = fchmodat(AT_FDCWD, self, mode & 07777, 0) < 0 ? errno : 0;
     }
+    close(obj);
+    respond(q->s, q->n->id, 0, err);
+}
+
+/* fchmod: the mode of a file the task has open (for reading, say: no trapped open judged it). */
+static void do_fchmod(struct req *q, int fd, mode_t mode) {
+    if (fd < 0) {
+        respond(q->s, q->n->id, 0, EBADF);
+        return;
+    }
+    int obj = existing_object(q, fd, "", true, true, "file-write-mode");
+    if (obj < 0)
+        return;
+    char self[64];
+    snprintf(self, sizeof self, "/proc/self/fd/%d", obj);
+    int err = fchmodat(AT_FDCWD, self, mode & 07777, 0) < 0 ? errno : 0;
     close(obj);
     respond(q->s, q->n->id, 0, err);
 }
@@ -2473,6 +2528,7 @@ static const char *syscall_name(int nr) {
     case SYS_chmod: return "chmod";
 #endif
     case SYS_fchmodat: return "fchmodat";
+    case SYS_fchmod: return "fchmod";
     case NR_FCHMODAT2: return "fchmodat2";
     default: return NULL;
     }
@@ -2534,6 +2590,7 @@ static void dispatch(struct req *q) {
     case SYS_chmod: do_chmod(q, AT_FDCWD, a[0], (mode_t)a[1], 0); break;
 #endif
     case SYS_fchmodat: do_chmod(q, arg_int(a[0]), a[1], (mode_t)a[2], 0); break;
+    case SYS_fchmod: do_fchmod(q, arg_int(a[0]), (mode_t)a[1]); break;
     case NR_FCHMODAT2: do_chmod(q, arg_int(a[0]), a[1], (mode_t)a[2], arg_int(a[3])); break;
     default: break; /* not reached: handle() decoded it */
     }
