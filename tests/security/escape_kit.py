@@ -170,3 +170,19 @@ def daemon_attack_script(where: pathlib.Path) -> pathlib.Path:
     script.write_text(DAEMON_ATTACK)
     script.chmod(0o755)
     return script
+
+
+# A Python attack body run inside a sandbox: `python3 - WORKTREE BODY_FILE` chdirs to WORKTREE,
+# runs BODY_FILE with `os`, `libc` (errno kept) and `fail()` (raise with libc's errno) at hand, and
+# prints `RESULT=done` or `RESULT=refused <the OSError>`.
+ATTACK_RUNNER = """import os, sys, ctypes
+os.chdir(sys.argv[1])
+libc = ctypes.CDLL(None, use_errno=True)
+def fail():
+    raise OSError(ctypes.get_errno(), 'refused')
+try:
+    exec(open(sys.argv[2]).read())
+    print('RESULT=done')
+except OSError as exc:
+    print('RESULT=refused', exc)
+"""

@@ -11,7 +11,7 @@ import pathlib
 import subprocess
 
 import pytest
-from escape_kit import Sandboxes, output
+from escape_kit import ATTACK_RUNNER, Sandboxes, output
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -85,18 +85,6 @@ SPELLINGS: dict[str, str] = {
     "mknod-fifo": "os.mkfifo('repoA/.git/hooks/pre-commit')",
 }
 
-RUNNER = """import os, sys, ctypes
-os.chdir(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-def fail():
-    raise OSError(ctypes.get_errno(), 'refused')
-try:
-    exec(open(sys.argv[2]).read())
-    print('RESULT=created')
-except OSError as exc:
-    print('RESULT=refused', exc)
-"""
-
 
 def _repo(path: pathlib.Path) -> None:
     subprocess.run(["git", "init", "-q", str(path)], check=True, env={"PATH": "/usr/bin:/bin"})
@@ -120,7 +108,7 @@ async def test_another_spelling_of_a_protected_path_is_refused(
     (wt / "repoC").mkdir()
     kit = tmp_path / "kit"
     kit.mkdir()
-    (kit / "run.py").write_text(RUNNER)
+    (kit / "run.py").write_text(ATTACK_RUNNER)
     (kit / "attack.py").write_text(SPELLINGS[name] + "\n")
     before = _snapshot(wt)
     handle = sb.launch(bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}])

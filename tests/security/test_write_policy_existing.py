@@ -21,7 +21,7 @@ import stat
 import subprocess
 
 import pytest
-from escape_kit import Sandboxes, output
+from escape_kit import ATTACK_RUNNER, Sandboxes, output
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -88,18 +88,6 @@ ATTACKS: dict[str, tuple[str, str, str]] = {
     ),
 }  # fmt: skip
 
-RUNNER = """import os, sys, ctypes
-os.chdir(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-def fail():
-    raise OSError(ctypes.get_errno(), 'refused')
-try:
-    exec(open(sys.argv[2]).read())
-    print('RESULT=done')
-except OSError as exc:
-    print('RESULT=refused', exc)
-"""
-
 
 def _repo(path: pathlib.Path) -> None:
     subprocess.run(["git", "init", "-q", str(path)], check=True, env={"PATH": "/usr/bin:/bin"})
@@ -136,7 +124,7 @@ async def test_an_existing_protected_file_cannot_be_changed(
     _plant(wt)
     kit = tmp_path / "kit"
     kit.mkdir()
-    (kit / "run.py").write_text(RUNNER)
+    (kit / "run.py").write_text(ATTACK_RUNNER)
     body, action, rel = ATTACKS[name]
     (kit / "attack.py").write_text(body + "\n")
     before = _state(wt)
