@@ -29,7 +29,9 @@ from cc_server.policy import (
 from cc_server.runtime.select import choose_backend, planner_for, protected_patterns_for
 
 if TYPE_CHECKING:
-    from cc_server.runtime.handle import SandboxHandle
+    from cc_server.microvm.runtime import MicroVMRuntime
+    from cc_server.runtime.events import SandboxEvent
+    from cc_server.runtime.handle import Execution, SandboxHandle
 
 __all__ = ["build_spec", "command_argv", "command_env", "main", "parser", "print_violations"]
 
@@ -223,7 +225,8 @@ def build_spec(args: argparse.Namespace) -> SandboxSpec:
         binds = [{"hostPath": cwd, "readOnly": False}]
     if args.home == "dotfiles":
         binds += _dotfile_binds(args.dotfile or DEFAULT_DOTFILES, home, binds,
-                                explicit=bool(args.dotfile))
+                                explicit=bool(args.dotfile),
+                                dirs_only=args.backend == SandboxBackend.MICROVM)
     data["bindMounts"] = binds
     data["protectedPaths"] = [*data.get("protectedPaths", []),
                               *(os.path.abspath(p) for p in args.protect)]
@@ -268,13 +271,15 @@ def _refuse_as_cwd_bind(cwd: str, home: str) -> None:
 
 
 def _dotfile_binds(
-    names: Sequence[str], home: str, binds: Sequence[Mapping[str, Any]], *, explicit: bool
+    names: Sequence[str], home: str, binds: Sequence[Mapping[str, Any]], *, explicit: bool,
+    dirs_only: bool = False,
 ) -> list[dict[str, Any]]:
     """Read-only binds of the dotfiles `--home dotfiles` shows: those that exist (a missing
     `--dotfile` is an error) and that no bind already shows.
 
     Raises:
-        BadSpec: a name is outside $HOME, inside the secret set, or (given explicitly) absent.
+        BadSpec: a name is outside $HOME, inside the secret set, (given explicitly) absent, or
+            a file where only directories can be shared (`dirs_only`: a microVM).
     """
     from cc_server.policy.paths import SECRET_DENY_READ
 
@@ -295,6 +300,11 @@ def _dotfile_binds(
             if explicit:
                 raise BadSpec(f"--dotfile {name!r}: {path} does not exist")
             continue
+        if dirs_only and not os.path.isdir(path):
+            raise BadSpec(f"--home dotfiles: {path} is a file, and a microVM shares "
+                          "directories only",
+                          fix="--dotfile directories only (git reads ~/.config/git/config "
+                          "too), or --home empty")
         if _guest_path_of(path, binds) is None:
             out.append({"hostPath": path, "readOnly": True})
     return out
@@ -496,6 +506,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     result = probe()
+    if args.backend == SandboxBackend.MICROVM:  # probed here, on request: the boot test costs
+        import asyncio
+
+        return asyncio.run(_run_streaming(args, result))
     if args.events is None and args.timeout is None and _backend(args, result) is not (
         SandboxBackend.NATIVE
     ):
@@ -512,11 +526,14 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
 
     manager = SandboxManager(probe_result=result, host=HostFacts.current())
     requested = SandboxBackend(args.backend) if args.backend else None
+    if requested is SandboxBackend.MICROVM:
+        manager.use_microvm(await probe_microvm_runtime(sys.stderr))
     handle = manager.launch(build_spec(args), backend=requested, deny_create_globs=args.deny_create)
     stream = args.events == "json"
+    relay = not stream and requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
     try:
-        execution = handle.exec(command_argv(args), env=command_env(args), inherit_stdio=not stream,
-                                timeout_s=args.timeout)
+        execution = handle.exec(command_argv(args), env=command_env(args),
+                                inherit_stdio=not stream and not relay, timeout_s=args.timeout)
         async with execution:
             async for event in execution:
                 if stream:
@@ -524,10 +541,45 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
                     sys.stdout.flush()
                 elif event.type is EventType.KILLED:
                     print(f"cc-server: command killed ({event.reason})", file=sys.stderr)
+                elif relay:
+                    await write_output(event, sys.stdout.fileno(), sys.stderr.fileno())
         print_violations(handle, sys.stderr)
         return await execution.wait()
     finally:
         await manager.aclose()
+
+
+async def write_output(event: SandboxEvent, stdout_fd: int, stderr_fd: int) -> None:
+    """A stdout or stderr event's bytes to these descriptors (a microVM command's stdio is the
+    guest's: it cannot inherit the caller's, so its output is relayed); other events: nothing."""
+    import asyncio
+
+    from cc_server.runtime.events import EventType
+
+    fd = {EventType.STDOUT: stdout_fd, EventType.STDERR: stderr_fd}.get(event.type)
+    if fd is not None and event.data:
+        await asyncio.to_thread(_write_all, fd, event.data)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+async def copy_output(execution: Execution, stdout_fd: int, stderr_fd: int) -> None:
+    """Relay every output event of `execution` (see write_output) until it ends."""
+    async for event in execution:
+        await write_output(event, stdout_fd, stderr_fd)
+
+
+async def probe_microvm_runtime(progress_to: TextIO) -> MicroVMRuntime:
+    """This host's microVM runtime, the image build of its first use shown on `progress_to`.
+    The image and the booted snapshot are kept on disk, so later runs restore, never boot."""
+    from cc_server.microvm.image import progress_bar
+    from cc_server.microvm.runtime import probe_runtime
+
+    return await probe_runtime(progress=progress_bar(progress_to))
 
 
 def print_violations(handle: SandboxHandle, file: TextIO) -> None:

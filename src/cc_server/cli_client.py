@@ -42,10 +42,11 @@ DAEMON_ENV: Final = "CC_SERVER_DAEMON"  # "off": never use the daemon
 START_TIMEOUT_S: Final = 10.0  # from spawning the daemon to its socket answering
 FORWARDED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # What `run` reads from the caller's environment (cli.PASSTHROUGH_ENV and LC_*); nothing else is
-# sent. HOME, PATH, XDG_RUNTIME_DIR, TMPDIR and XDG_CONFIG_HOME (where the settings file is)
-# choose the daemon instead (they are part of its key).
+# sent. The variables that place the daemon's files (HOME, XDG_*, TMPDIR, the settings file, the
+# microVM cache) and PATH choose the daemon instead (they are part of its key).
 SENT_ENV: Final = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
-KEYED_ENV: Final = ("HOME", "PATH", "XDG_RUNTIME_DIR", "TMPDIR", "XDG_CONFIG_HOME")
+KEYED_ENV: Final = ("HOME", "PATH", "XDG_RUNTIME_DIR", "TMPDIR", "XDG_CONFIG_HOME",
+                    "XDG_CACHE_HOME", "CC_SERVER_MICROVM_CACHE")
 _HEADER: Final = struct.Struct("!I")
 MAX_MESSAGE_BYTES: Final = 1 << 20
 EXIT_REFUSED: Final = 125

@@ -54,6 +54,7 @@ class _Daemon:
         self.identity = os.stat(path).st_ino
         self.peers = peer.SameNamespaces()
         self.manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
+        self.microvm_probing = asyncio.Lock()  # one probe at a time; an available one is kept
         self.active = 0
         self.stopping = False
         self.idle = asyncio.Event()
@@ -146,16 +147,21 @@ class _Daemon:
             requested = SandboxBackend(args.backend) if args.backend else None
             handle = None
             try:
+                if requested is SandboxBackend.MICROVM:
+                    await self._probe_microvm(err)
                 handle = self.manager.launch(
                     spec, backend=requested, deny_create_globs=args.deny_create
                 )
+                relay = requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
                 execution = handle.exec(
                     cli.command_argv(args), env=cli.command_env(args, environ),
-                    inherit_stdio=stdio, timeout_s=args.timeout,
+                    inherit_stdio=False if relay else stdio, timeout_s=args.timeout,
                 )
                 async with execution:
                     watcher = asyncio.create_task(_watch_client(client, execution))
                     try:
+                        if relay:
+                            await cli.copy_output(execution, stdio[1], stdio[2])
                         code = await execution.wait()
                     finally:
                         watcher.cancel()
@@ -168,6 +174,16 @@ class _Daemon:
             finally:
                 if handle is not None:
                     await self.manager.destroy(handle.session_id)
+
+    async def _probe_microvm(self, err: Any) -> None:
+        """The microVM runtime, probed on the first `--backend microvm` (its image build's
+        progress on that client's stderr) and kept, so later runs restore its snapshot at
+        once. A runtime found unavailable is probed again next time (QEMU may be installed)."""
+        from cc_server import cli
+
+        async with self.microvm_probing:
+            if self.manager.microvm is None or not self.manager.microvm.available:
+                self.manager.use_microvm(await cli.probe_microvm_runtime(err))
 
 
 def _parse(request: dict[str, Any], err: Any) -> tuple[Any, Any]:

@@ -181,14 +181,6 @@ def test_run_without_a_command_is_a_usage_error(env: dict[str, str]) -> None:
     assert "no command given" in proc.stderr
 
 
-def test_run_with_microvm_is_refused(env: dict[str, str], work: pathlib.Path) -> None:
-    marker = work / "ran"
-    proc = cli("run", "--backend", "microvm", "--bind", work, "--", "touch", marker, env=env)
-    assert proc.returncode == 125
-    assert "microvm" in proc.stderr
-    assert not marker.exists()
-
-
 def test_run_with_backend_none_runs_on_the_host(env: dict[str, str]) -> None:
     proc = cli("run", "--backend", "none", "--", "cat", "/proc/sys/kernel/hostname", env=env)
     assert proc.returncode == 0, proc.stderr

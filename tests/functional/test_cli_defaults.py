@@ -11,13 +11,13 @@ import json
 import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 
 import pytest
+from cli_kit import kill_daemons
 
 pytestmark = pytest.mark.integration
 
@@ -46,19 +46,8 @@ def env(request: pytest.FixtureRequest, tmp_path: pathlib.Path) -> Iterator[dict
         if request.param == "daemon":
             subprocess.run([sys.executable, "-m", "cc_server.cli", "daemon", "stop"], env=base,
                            capture_output=True, timeout=CLI_TIMEOUT_S, check=False)
-            _kill_daemons(runtime)
+            kill_daemons(runtime)
         shutil.rmtree(runtime, ignore_errors=True)
-
-
-def _kill_daemons(runtime: pathlib.Path) -> None:
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                argv = pathlib.Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"cc_server.cli_daemon" in argv and str(runtime).encode() in argv:
-                os.kill(int(entry), signal.SIGKILL)
 
 
 @pytest.fixture

@@ -127,9 +127,9 @@ async def test_explicit_microvm_without_runtime_fails_loudly(tmp_path: pathlib.P
     m = manager(tmp_path)
     m.vm.runtime = None  # this process did not probe a microVM runtime
     spec = parse_spec({"sessionId": unique("vm"), "workspaceId": "ws"})
-    with pytest.raises(BackendUnavailable, match="cannot boot a microVM") as info:
+    with pytest.raises(BackendUnavailable, match="CC_SERVER_MICROVM is off") as info:
         m.launch(spec, backend=SandboxBackend.MICROVM)
-    assert info.value.fix
+    assert info.value.fix and "CC_SERVER_MICROVM=on" in info.value.fix  # the missing switch
     assert spec.session_id not in m.handles
 
 

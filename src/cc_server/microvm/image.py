@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Final, TextIO
 
 from cc_server.errors import BackendUnavailable
 
@@ -45,6 +45,7 @@ __all__ = [
     "ensure_image",
     "image_inputs",
     "init_script",
+    "progress_bar",
     "prune_cache",
     "touch",
     "write_newc",
@@ -233,13 +234,22 @@ def image_inputs() -> ImageInputs:
     )
 
 
+def progress_bar(stream: TextIO) -> Progress:
+    """A one-line progress bar on `stream` (the CLI daemon's is its client's stderr)."""
+
+    def show(step: str, fraction: float) -> None:
+        width = 30
+        done = int(width * max(0.0, min(1.0, fraction)))
+        end = "\n" if fraction >= 1.0 else ""
+        stream.write(f"\rmicroVM image: [{'#' * done}{'.' * (width - done)}] {step:<28}{end}")
+        stream.flush()
+
+    return show
+
+
 def stderr_progress(step: str, fraction: float) -> None:
     """A one-line progress bar on stderr."""
-    width = 30
-    done = int(width * max(0.0, min(1.0, fraction)))
-    end = "\n" if fraction >= 1.0 else ""
-    sys.stderr.write(f"\rmicroVM image: [{'#' * done}{'.' * (width - done)}] {step:<28}{end}")
-    sys.stderr.flush()
+    progress_bar(sys.stderr)(step, fraction)
 
 
 def ensure_image(

@@ -22,7 +22,13 @@ from typing import Final
 from cc_server.backends.identity import SANDBOX_GID, SANDBOX_UID, IdentityCheck, check_identity
 from cc_server.backends.plan import SandboxIdentity
 from cc_server.errors import BackendUnavailable, CcServerError
-from cc_server.microvm.image import GuestImage, ensure_image, prune_cache, stderr_progress
+from cc_server.microvm.image import (
+    GuestImage,
+    Progress,
+    ensure_image,
+    prune_cache,
+    stderr_progress,
+)
 from cc_server.microvm.pool import VmPool
 from cc_server.microvm.vm import MachineConfig
 from cc_server.runtime.select import microvm_unavailable
@@ -156,6 +162,7 @@ class ProbeParams:
     run_base: str | None = None  # where VM directories go (None: the server's private base)
     # Whether a root server has a working sandbox identity for QEMU (backends/identity.py).
     identity_check: Callable[[], IdentityCheck] = field(default=check_identity)
+    progress: Progress = stderr_progress  # the image build's (first use); the CLI daemon's client's
 
 
 async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | None]:
@@ -176,7 +183,7 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
     if qemu is None:
         return decide(MicroVMFacts(qemu=None, kvm_usable=kvm_usable)), None
     try:
-        image = await asyncio.to_thread(ensure_image, params.cache_dir, None, stderr_progress)
+        image = await asyncio.to_thread(ensure_image, params.cache_dir, None, params.progress)
     except CcServerError as exc:
         return decide(MicroVMFacts(qemu=qemu, kvm_usable=kvm_usable, image_error=exc.message)), None
     prune_cache(params.cache_dir, image)

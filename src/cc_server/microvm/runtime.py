@@ -13,7 +13,7 @@ from pathlib import Path
 from cc_server.egress.driver import Resolver
 from cc_server.egress.patterns import Allowlist
 from cc_server.microvm.handle import MicroVMHandle, _no_host_plan
-from cc_server.microvm.image import default_cache_dir
+from cc_server.microvm.image import Progress, default_cache_dir, stderr_progress
 from cc_server.microvm.link import VM_DIR_PREFIX
 from cc_server.microvm.mounts import plan_mounts
 from cc_server.microvm.pool import VmPool
@@ -92,11 +92,14 @@ def remove_stale_vm_dirs(base: str) -> list[str]:
 
 
 async def probe_runtime(cache_dir: Path | None = None, *,
-                        accels: tuple[str, ...] = ("kvm", "tcg")) -> MicroVMRuntime:
-    """Probe this host for the microVM backend (see microvm.probe) and set up its runtime."""
+                        accels: tuple[str, ...] = ("kvm", "tcg"),
+                        progress: Progress = stderr_progress) -> MicroVMRuntime:
+    """Probe this host for the microVM backend (see microvm.probe) and set up its runtime;
+    `progress` shows the image build of the first use."""
     base = egress_base_dir()
     remove_stale_vm_dirs(base)
     verdict, pool = await probe_microvm(
-        ProbeParams(cache_dir=cache_dir or default_cache_dir(), accels=accels, run_base=base)
+        ProbeParams(cache_dir=cache_dir or default_cache_dir(), accels=accels, run_base=base,
+                    progress=progress)
     )
     return MicroVMRuntime(probe=verdict, pool=pool, run_base=base)

@@ -310,6 +310,11 @@ class SandboxManager:
             runtime=self.microvm, host=self.host, egress_resolver=self.egress_resolver
         )
 
+    def use_microvm(self, runtime: MicroVMRuntime) -> None:
+        """Serve `microvm` with this runtime from now on (a CLI daemon probes it on first use)."""
+        self.microvm = runtime
+        self.vm.runtime = runtime
+
     def choose(self, requested: SandboxBackend | None) -> SandboxPort:
         """The adapter for a request; `None` means the caller did not specify one.
 

@@ -58,10 +58,10 @@ def microvm_unavailable(microvm: MicroVMVerdict | None) -> BackendUnavailable:
     """The loud failure of an explicit `microvm` request; `None`: the runtime was not probed."""
     if microvm is None:
         return BackendUnavailable(
-            "backend 'microvm' was requested but this host cannot boot a microVM: the microVM "
-            "runtime was not probed in this process",
-            fix="start the server with the microVM runtime (cc-server serve with QEMU "
-            "installed: scripts/bootstrap), or request 'native'",
+            "backend 'microvm' was requested but this process runs without the microVM "
+            "runtime: CC_SERVER_MICROVM is off, so it was never probed",
+            fix="start the server with CC_SERVER_MICROVM=on (or =default) and QEMU installed "
+            "(scripts/bootstrap); `cc-server run --backend microvm` probes it itself",
         )
     return BackendUnavailable(
         f"backend 'microvm' was requested but this host cannot boot a microVM: {microvm.reason}",
