@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from aiohttp import web
+
 from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.guardrails import Guardrail
 from cc_server.dispatch.service import DispatchConfig, DispatchService
@@ -79,6 +81,16 @@ def tree_digest(root: pathlib.Path) -> dict[str, str]:
                 with open(full, "rb") as f:
                     out[rel] = hashlib.sha256(f.read()).hexdigest()
     return out
+
+
+def dispatch_app(service: DispatchService) -> web.Application:
+    """An aiohttp app with the dispatch routes over `service` (for TestClient)."""
+    from cc_server.server.dispatch_api import DISPATCH, routes
+
+    app = web.Application()
+    app[DISPATCH] = service
+    app.router.add_routes(routes)
+    return app
 
 
 def fake_home(tmp: pathlib.Path, marker: str) -> pathlib.Path:
@@ -184,7 +196,8 @@ class ScriptedAgent:
                        PermissionOption(option_id="no", name="Reject", kind="reject_once")]
             answer = await self.conn.request_permission(
                 session_id=sid, options=options,
-                tool_call=ToolCallUpdate(tool_call_id="t1", kind=op["kind"], title=op["kind"]))
+                tool_call=ToolCallUpdate(tool_call_id="t1", kind=op["kind"], title=op["kind"],
+                                         raw_input=op.get("input")))
             return answer.outcome.model_dump(by_alias=True, exclude_none=True)
         if kind == "terminal":
             term = await self.conn.create_terminal(session_id=sid, command=op["command"])

@@ -23,6 +23,7 @@ from dispatch_kit import (
     CLAUDE_BIN,
     CLAUDE_VERSION,
     Dispatch,
+    dispatch_app,
     make_repo,
     need_npm_agents,
     open_dispatch,
@@ -32,7 +33,6 @@ from server_kit import running_server
 from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.guardrails import Action
 from cc_server.dispatch.worktrees import mounted_under
-from cc_server.server.dispatch_api import DISPATCH, routes
 
 pytestmark = pytest.mark.integration
 
@@ -46,18 +46,11 @@ class _Broken:
         raise RuntimeError("lookup table missing")
 
 
-def _app(d: Dispatch) -> web.Application:
-    app = web.Application()
-    app[DISPATCH] = d.service
-    app.router.add_routes(routes)
-    return app
-
-
 @pytest.fixture
 async def api(tmp_path: pathlib.Path,
               probe_result: ProbeResult) -> AsyncIterator[tuple[TestClient[Any, Any], Dispatch]]:
     async with open_dispatch(tmp_path, probe_result) as d, \
-            TestClient(TestServer(_app(d))) as client:
+            TestClient(TestServer(dispatch_app(d.service))) as client:
         yield client, d
 
 
@@ -114,7 +107,7 @@ async def test_a_dispatch_whose_guardrail_raises_is_refused(
     tmp_path: pathlib.Path, probe_result: ProbeResult
 ) -> None:
     async with open_dispatch(tmp_path, probe_result, guardrails=[_Broken()]) as d, \
-            TestClient(TestServer(_app(d))) as client:
+            TestClient(TestServer(dispatch_app(d.service))) as client:
         wt = await _worktree(client)
         resp = await client.post("/v1/dispatches",
                                  json={"worktreeId": wt["worktreeId"], "agent": "claude"})
@@ -131,7 +124,7 @@ async def test_native_dispatch_without_create_rules_fails_closed_with_the_reason
 ) -> None:
     weaker = dataclasses.replace(probe_result, create_rules=False)
     async with open_dispatch(tmp_path, weaker) as d, \
-            TestClient(TestServer(_app(d))) as client:
+            TestClient(TestServer(dispatch_app(d.service))) as client:
         wt = await _worktree(client)
         resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
         assert resp.status == 409
@@ -228,7 +221,7 @@ async def test_an_agent_that_does_not_speak_acp_is_refused_and_leaves_nothing(
     tmp_path: pathlib.Path, probe_result: ProbeResult, agent: tuple[str, ...]
 ) -> None:
     async with open_dispatch(tmp_path, probe_result, acp_agent=agent) as d, \
-            TestClient(TestServer(_app(d))) as client:
+            TestClient(TestServer(dispatch_app(d.service))) as client:
         wt = await _worktree(client)
         resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"],
                                                          "agent": "acp"})
@@ -417,7 +410,7 @@ async def test_a_server_secret_in_the_runs_environment_answers_409_naming_it(
     operator's problem, answered 409 with both variables and a fix, and nothing is left."""
     async with open_dispatch(tmp_path, probe_result,
                              environ={"DEPLOY_TOKEN_DIR": str(tmp_path)}) as d, \
-            TestClient(TestServer(_app(d))) as client:
+            TestClient(TestServer(dispatch_app(d.service))) as client:
         wt = await _worktree(client)
         resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
         assert resp.status == 409, await resp.text()

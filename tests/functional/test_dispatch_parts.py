@@ -20,6 +20,7 @@ from cc_server.dispatch.acp import (
     permission_for,
 )
 from cc_server.dispatch.harness import shell_argv
+from cc_server.dispatch.violations import MAX_KEPT, ViolationLog
 from cc_server.errors import BadSpec
 from cc_server.policy import HostFacts, Mode, SandboxBackend, SandboxSpec
 from cc_server.runtime.port import SandboxManager
@@ -93,7 +94,8 @@ async def test_an_agent_asking_without_end_cannot_grow_what_a_run_records() -> N
             raise BadSpec(f"{path} refused")
 
     policy = SimpleNamespace(network_allowed=False)
-    run = SimpleNamespace(mode=Mode.CHAT, handle=SimpleNamespace(policy=policy), tools=Refusing())
+    run = SimpleNamespace(mode=Mode.CHAT, handle=SimpleNamespace(policy=policy), tools=Refusing(),
+                          violations=ViolationLog("r", "r"))
     client = CcAcpClient(run)  # type: ignore[arg-type]
     options = [PermissionOption(option_id="yes", name="Allow", kind="allow_once")]
     for i in range(MAX_RECORDS + 5):
@@ -105,6 +107,10 @@ async def test_an_agent_asking_without_end_cannot_grow_what_a_run_records() -> N
     # The newest are kept.
     assert client.permissions[-1]["toolCallId"] == f"t{MAX_RECORDS + 4}"
     assert client.file_requests[-1]["path"] == f"f{MAX_RECORDS + 4}"
+    # A read that names no path cannot be judged: each is a violation, and the run keeps a
+    # bounded number of them.
+    assert run.violations.total == MAX_RECORDS + 5
+    assert len(run.violations.kept) == MAX_KEPT
 
 
 def test_shell_argv_refuses_what_cannot_run() -> None:

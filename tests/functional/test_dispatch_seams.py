@@ -188,8 +188,8 @@ async def test_review_mode_refuses_acp_writes_edit_permissions_and_publishing_co
         run, results = await _scripted(d, Mode.REVIEW, [
             {"op": "read", "path": "README.md"},
             {"op": "write", "path": "new.txt", "content": "x"},
-            {"op": "permission", "kind": "edit"},
-            {"op": "permission", "kind": "read"},
+            {"op": "permission", "kind": "edit", "input": {"file_path": "README.md"}},
+            {"op": "permission", "kind": "read", "input": {"file_path": "README.md"}},
             {"op": "terminal", "command": "git push origin main"},
             {"op": "terminal", "command": "echo ok"},
         ])

@@ -7,11 +7,18 @@ its stdout and stdin are the execution's pipes, adapted to the ACP SDK's message
 
 - `fs/read_text_file`, `fs/write_text_file`: the in-process file tools, recorded as `acp_read` /
   `acp_write` actions, so the guardrail chain and every path rule apply; a refusal is a JSON-RPC
-  error naming the guardrail;
-- `session/request_permission`: the mode's policy: a tool kind the mode's surface lacks (an edit,
-  delete or move in review or plan) gets the reject option, anything unknown is rejected too;
+  error whose message is the violation's "blocked by sandbox policy" notice (the agent hands it
+  to its model), with the guardrail in its data;
+- `session/request_permission`: the run's policy, on what the tool call would do
+  (`judge_tool_call`): the paths an edit, delete, move or read names pass the guardrail chain and
+  the path and create-time rules as the file tools would apply them; a command passes the chain
+  (the mode's command table, the operator's guardrails); a fetch needs the network; a tool kind
+  the mode's surface lacks, and anything unknown or without a target, is rejected. Only a
+  once-option is ever chosen: an "always" would outlive this run (the adapter writes it into the
+  agent's settings), so when no once-option says the policy's answer the request is cancelled.
+  A rejection is a `permission` violation of the run;
 - `terminal/*`: the harness bash tool (`acp_terminal` actions), bounded output, killed on release
-  and on teardown;
+  and on teardown; what the sandbox refused is added to the output as notice lines;
 - `session/update`: kept (bounded) for the client of the API.
 """
 
@@ -48,10 +55,11 @@ from acp.schema import (
 
 from cc_server import __version__
 from cc_server.dispatch.env import sanitized_env
-from cc_server.dispatch.guardrails import ActionKind, ActionRefused
+from cc_server.dispatch.guardrails import Action, ActionKind, ActionRefused
 from cc_server.dispatch.harness import shell_argv
 from cc_server.dispatch.modes import tools_for_mode
 from cc_server.dispatch.service import DispatchRun
+from cc_server.dispatch.violations import RunViolation, ViolationSource
 from cc_server.errors import BadSpec, CcServerError, EnforcementFailed
 from cc_server.policy import Mode
 from cc_server.runtime.events import EventType, SandboxViolation
@@ -64,6 +72,7 @@ __all__ = [
     "AcpSession",
     "CcAcpClient",
     "ExecutionTransport",
+    "judge_tool_call",
     "permission_for",
     "start_acp",
 ]
@@ -176,11 +185,66 @@ class ExecutionTransport:
         self.execution.close_stdin()
 
 
-def _refused(exc: CcServerError) -> RequestError:
-    data: dict[str, Any] = {"error": type(exc).__name__, "fix": exc.fix}
+# Where an ACP tool call names the file it acts on, besides `locations` (Claude Code's tools).
+_PATH_KEYS: Final = ("file_path", "path", "notebook_path", "source", "destination")
+# The file action a path of each kind is judged as.
+_KIND_FILE_ACTION: Final = {
+    "read": ActionKind.ACP_READ,
+    "search": ActionKind.ACP_READ,
+    "edit": ActionKind.ACP_WRITE,
+    "delete": ActionKind.ACP_WRITE,
+    "move": ActionKind.ACP_WRITE,
+}
+
+
+def _tool_call_paths(tool_call: ToolCallUpdate) -> list[str]:
+    paths = [loc.path for loc in tool_call.locations or () if loc.path]
+    raw = tool_call.raw_input if isinstance(tool_call.raw_input, dict) else {}
+    paths += [raw[k] for k in _PATH_KEYS if isinstance(raw.get(k), str) and raw[k]]
+    return list(dict.fromkeys(paths))
+
+
+def judge_tool_call(run: DispatchRun, tool_call: ToolCallUpdate) -> tuple[bool, str]:
+    """The run's policy on an ACP tool call the agent asks permission for, and why.
+
+    The mode's table (`permission_for`) first; then what the call would do: each path of a file
+    kind through the file tools' checks (`FileTools.judge`: the chain, the path rules, the
+    create-time rules), the command of an `execute` through the chain as a `bash` action. A
+    file kind without a path (other than a search) and an `execute` without a command are
+    refused: what cannot be judged is not allowed."""
+    kind = tool_call.kind
+    allowed, why = permission_for(run.mode, kind, network_allowed=run.handle.policy.network_allowed)
+    if not allowed:
+        return False, why
+    raw = tool_call.raw_input if isinstance(tool_call.raw_input, dict) else {}
+    try:
+        if kind in _KIND_FILE_ACTION:
+            paths = _tool_call_paths(tool_call)
+            if not paths and kind != "search":
+                return False, f"a {kind} tool call that names no path cannot be judged"
+            for path in paths:
+                run.tools.judge(path, kind=_KIND_FILE_ACTION[kind])
+            return True, f"{why}; {', '.join(paths) or 'the search'} allowed by the run's policy"
+        if kind == "execute":
+            command = raw.get("command")
+            if not isinstance(command, str) or not command.strip():
+                return False, "an execute tool call that names no command cannot be judged"
+            run.chain.check(Action(kind=ActionKind.BASH, tool="bash", session_id=run.run_id,
+                                   mode=run.mode, argv=shell_argv(command)))
+            return True, f"{why}; the command is allowed by the run's policy"
+    except ActionRefused as exc:
+        return False, f"{exc.guardrail}: {exc.reason}"
+    except CcServerError as exc:
+        return False, exc.message
+    return True, why
+
+
+def _refused(exc: CcServerError, violation: RunViolation | None = None) -> RequestError:
+    data: dict[str, Any] = {"error": type(exc).__name__, "fix": exc.fix, "detail": exc.message}
     if isinstance(exc, ActionRefused):
         data["guardrail"] = exc.guardrail
-    return RequestError(REFUSED_CODE, exc.message, data)
+    message = violation.notice if violation is not None else exc.message
+    return RequestError(REFUSED_CODE, message, data)
 
 
 class CcAcpClient:
@@ -193,6 +257,12 @@ class CcAcpClient:
         # without end cannot grow the server.
         self.permissions: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
         self.file_requests: deque[dict[str, Any]] = deque(maxlen=MAX_RECORDS)
+
+    def _refused(self, exc: CcServerError) -> RequestError:
+        """The JSON-RPC error for a refused request; a guardrail's refusal is a violation of
+        the run first."""
+        violation = self.run.violations.refused(exc) if isinstance(exc, ActionRefused) else None
+        return _refused(exc, violation)
 
     # -- file system --
 
@@ -213,7 +283,7 @@ class CcAcpClient:
             self.file_requests.append(
                 {"method": "fs/read_text_file", "path": path, "refused": exc.message}
             )
-            raise _refused(exc) from None
+            raise self._refused(exc) from None
         self.file_requests.append({"method": "fs/read_text_file", "path": path, "refused": None})
         return ReadTextFileResponse(content=content)
 
@@ -228,23 +298,19 @@ class CcAcpClient:
             self.file_requests.append(
                 {"method": "fs/write_text_file", "path": path, "refused": exc.message}
             )
-            raise _refused(exc) from None
+            raise self._refused(exc) from None
         self.file_requests.append({"method": "fs/write_text_file", "path": path, "refused": None})
         return WriteTextFileResponse()
 
     # -- permission --
 
-    def decide(self, kind: str | None) -> tuple[bool, str]:
-        """Whether the mode's policy allows a tool call of this ACP kind, and why."""
-        return permission_for(self.run.mode, kind,
-                              network_allowed=self.run.handle.policy.network_allowed)
-
     async def request_permission(
         self, session_id: str, tool_call: ToolCallUpdate, options: list[PermissionOption], **_: Any
     ) -> RequestPermissionResponse:
-        allowed, why = self.decide(tool_call.kind)
-        wanted = ("allow_once", "allow_always") if allowed else ("reject_once", "reject_always")
-        chosen = next((o for o in options if o.kind in wanted), None)
+        # The file tools' checks resolve paths: off the event loop.
+        allowed, why = await asyncio.to_thread(judge_tool_call, self.run, tool_call)
+        wanted = "allow_once" if allowed else "reject_once"  # never an "always": see the module
+        chosen = next((o for o in options if o.kind == wanted), None)
         self.permissions.append(
             {
                 "toolCallId": tool_call.tool_call_id,
@@ -255,7 +321,16 @@ class CcAcpClient:
                 "optionId": None if chosen is None else chosen.option_id,
             }
         )
-        if chosen is None:  # no option says what the policy decided: cancel, never allow
+        if not allowed:
+            paths = _tool_call_paths(tool_call)
+            raw = tool_call.raw_input if isinstance(tool_call.raw_input, dict) else {}
+            command = raw.get("command")
+            target = (command if isinstance(command, str) and command else None) or (
+                ", ".join(paths) or tool_call.title or str(tool_call.kind))
+            self.run.violations.record(RunViolation(
+                action=f"permission-{tool_call.kind or 'unknown'}", target=target, reason=why,
+                source=ViolationSource.PERMISSION))
+        if chosen is None:  # no once-option says what the policy decided: cancel, never allow
             return RequestPermissionResponse(outcome=DeniedOutcome(outcome="cancelled"))
         return RequestPermissionResponse(
             outcome=AllowedOutcome(outcome="selected", option_id=chosen.option_id)
@@ -290,7 +365,7 @@ class CcAcpClient:
                 argv, env=extra, cwd=cwd, output_limit=output_byte_limit
             )
         except CcServerError as exc:
-            raise _refused(exc) from None
+            raise self._refused(exc) from None
         return CreateTerminalResponse(terminal_id=terminal.terminal_id)
 
     def _terminal(self, terminal_id: str) -> Any:

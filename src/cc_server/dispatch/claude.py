@@ -11,17 +11,27 @@ the run's state directory (HOME, CLAUDE_CONFIG_DIR); its environment is sanitise
 is the session's proxies, so its API calls are allowed or refused by the allowlist and every
 refusal is a `network-outbound` violation. Through `none` it inherits the host environment, as
 the reference page says, and nothing stands between it and the host.
+
+What the sandbox refuses while the CLI runs reaches its model: every invocation gets
+`--settings` with a `PostToolUse` / `PostToolUseFailure` hook (`violations.notice_hook_settings`)
+that, after each tool call, moves the run's notice file (`violations.NoticeFile`, filled by the
+server as the refusals are reported) away and prints its "blocked by sandbox policy" lines as
+the hook's additional context, which Claude Code hands to the model after the tool's result.
+The hook runs inside the sandbox like the tool itself; an agent that tampers with it only loses
+its own notices.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Final
 
 from cc_server.dispatch.env import sanitized_env
 from cc_server.dispatch.guardrails import Action, ActionKind
-from cc_server.dispatch.harness import BashResult, run_bounded
+from cc_server.dispatch.harness import BashResult, run_bounded, with_notices
 from cc_server.dispatch.service import AgentKind, DispatchRun
+from cc_server.dispatch.violations import notice_hook_settings
 from cc_server.errors import BadSpec
 
 __all__ = ["CLAUDE_TIMEOUT_S", "run_claude"]
@@ -67,12 +77,17 @@ async def run_claude(
     if env:
         checked = sanitized_env(run.server_environ, add=dict(env))
         added = {name: checked[name] for name in env}
-    return await run_bounded(
+    settings: tuple[str, ...] = ()
+    if run.notices is not None:
+        hooks = notice_hook_settings(run.state_dir)
+        settings = ("--settings", json.dumps(hooks, separators=(",", ":")))
+    result = await run_bounded(
         run.handle,
-        (*run.agent_prefix, *argv),
+        (*run.agent_prefix, *run.agent_argv, *settings, *args),
         env={**run.env, **added},
         cwd=run.worktree.path,
         stdin=stdin,
         timeout_s=timeout_s or CLAUDE_TIMEOUT_S,
         max_output_bytes=max_output_bytes,
     )
+    return with_notices(result)

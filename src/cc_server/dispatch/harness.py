@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
 from cc_server.dispatch.guardrails import Action, ActionKind, GuardrailChain
+from cc_server.dispatch.violations import from_sandbox, notice_text
 from cc_server.errors import BadSpec
 from cc_server.policy import Mode
 from cc_server.runtime.events import SandboxViolation
@@ -34,6 +36,7 @@ __all__ = [
     "Terminal",
     "run_bounded",
     "shell_argv",
+    "with_notices",
 ]
 
 DEFAULT_TIMEOUT_S: Final = 120.0  # a command that runs longer is killed (SIGKILL to its group)
@@ -94,8 +97,15 @@ class BashResult:
             "stderrTruncated": self.stderr_truncated,
             "timedOut": self.timed_out,
             "killed": self.killed,
-            "violations": [v.to_json() for v in self.violations],
+            "violations": [from_sandbox(v).to_json() for v in self.violations],
         }
+
+
+def with_notices(result: BashResult) -> BashResult:
+    """`result` with a "blocked by sandbox policy" line per violation added to its stderr: the
+    tool output an agent hands its model says what was refused, so it does not retry."""
+    notes = notice_text(from_sandbox(v) for v in result.violations)
+    return dataclasses.replace(result, stderr=result.stderr + notes) if notes else result
 
 
 async def run_bounded(
@@ -151,6 +161,9 @@ class Terminal:
         try:
             drained = await drain(self.execution, self.output, None, self.violations)
             self.exit_code, self.killed = drained.exit_code, drained.killed
+            # What the agent reads back says what was refused (see with_notices), even past the
+            # output's limit (MAX_NOTICE_LINES bounds it).
+            self.output.data += notice_text(from_sandbox(v) for v in self.violations).encode()
         finally:
             with contextlib.suppress(Exception):
                 await self.execution.__aexit__(None, None, None)
@@ -221,7 +234,7 @@ class HarnessBash:
         argv = shell_argv(command)
         timeout, limit = _check_limits(timeout_s, max_output_bytes)
         self._check(argv, ActionKind.BASH)
-        return await run_bounded(
+        result = await run_bounded(
             self.handle,
             argv,
             env=self.env,
@@ -230,6 +243,7 @@ class HarnessBash:
             timeout_s=timeout,
             max_output_bytes=limit,
         )
+        return with_notices(result)
 
     async def start(
         self,

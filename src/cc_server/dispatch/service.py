@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import json
 import logging
 import os
 import secrets
@@ -48,6 +49,7 @@ from cc_server.dispatch.guardrails import (
 )
 from cc_server.dispatch.harness import HarnessBash
 from cc_server.dispatch.tools import FileTools
+from cc_server.dispatch.violations import NoticeFile, ViolationLog, notice_hook_settings
 from cc_server.dispatch.worktrees import Worktree, WorktreeManager, WorktreeStrategy
 from cc_server.egress.operator import MODEL_URL_ENV, OperatorEgress
 from cc_server.errors import BadSpec
@@ -144,11 +146,13 @@ class DispatchRun:
     env: dict[str, str]  # what the agent process gets
     state_dir: str
     agent_argv: tuple[str, ...] | None  # the configured agent command (None: harness only)
+    violations: ViolationLog  # every refusal of the run: kept, audited, told to the model
     server_environ: Mapping[str, str] = field(repr=False)  # for checking additions only
     # Prepended to the agent's own argv (after the guardrails judged it): sets the agent's
     # NO_PROXY when the model endpoint is on loopback (see `DispatchService.agent_prefix`).
     agent_prefix: tuple[str, ...] = ()
     acp: Any = None  # the AcpSession of an ACP run (dispatch.acp)
+    notices: NoticeFile | None = None  # a Claude Code run's notices for its hook
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -171,7 +175,8 @@ class DispatchRun:
             "worktree": self.worktree.to_json(),
             "protectedPaths": list(self.spec.protected_paths),
             "state": str(self.handle.state),
-            "violations": [v.to_json() for v in self.handle.violations],
+            "violations": self.violations.to_json(),
+            "violationCount": self.violations.total,
             "guardrails": list(self.chain.names),
             **self.details,
         }
@@ -382,6 +387,7 @@ class DispatchService:
                 fix="set CC_SERVER_CLAUDE_PATH or CC_SERVER_ACP_AGENT and restart",
             )
         run_id = f"run-{secrets.token_hex(8)}"
+        notices: NoticeFile | None = None
         state_dir = os.path.join(self.config.state_base, run_id)
         os.mkdir(state_dir, 0o700)
         caps = capabilities or AgentCapabilities.safe_default()
@@ -408,6 +414,11 @@ class DispatchService:
                 operator_egress=self.config.operator_egress,
             )
             self.broker.admit(run_id, handle.sandbox_peers)  # its sandbox asks, nothing else
+            violations = ViolationLog(run_id, spec.session_id,
+                                      conversation_id=worktree.conversation_id)
+            for seen in handle.violations:  # none yet: nothing has run
+                violations.sandbox(seen)
+            handle.violation_listeners.append(violations.sandbox)
             chain = standard_chain(handle.policy, extra=self.config.guardrails)
             if argv is not None:
                 chain.check(
@@ -415,6 +426,14 @@ class DispatchService:
                         kind=ActionKind.BASH, tool="bash", session_id=run_id, mode=mode, argv=argv
                     )
                 )
+            if agent is not AgentKind.HARNESS:
+                # The agent's model hears of each refusal from the notice hook (seam 1 passes it
+                # with --settings; the ACP adapter's Claude Code reads the user settings).
+                notices = NoticeFile(state_dir)
+                violations.listeners.append(notices.append)
+                if agent is AgentKind.ACP:
+                    with open(os.path.join(state_dir, ".claude", "settings.json"), "x") as f:
+                        json.dump(notice_hook_settings(state_dir), f)
             inherit = agent is AgentKind.CLAUDE and handle.backend is SandboxBackend.NONE
             env = self.agent_env(state_dir, grant, inherit_host=inherit, ca_env=ca_env)
             harness_env = self.agent_env(state_dir, grant, inherit_host=False, ca_env=ca_env)
@@ -431,10 +450,14 @@ class DispatchService:
                 env=env,
                 state_dir=state_dir,
                 agent_argv=argv,
+                violations=violations,
                 server_environ=self.environ,
                 agent_prefix=self.agent_prefix(handle.backend),
+                notices=notices,
             )
         except BaseException:
+            if notices is not None:
+                notices.close()
             await self._release(run_id, state_dir)
             raise
         self.runs[run_id] = run
@@ -469,6 +492,8 @@ class DispatchService:
             try:
                 await run.harness.aclose()
             finally:
+                if run.notices is not None:
+                    run.notices.close()
                 await self._release(run_id, run.state_dir)
         return True
 

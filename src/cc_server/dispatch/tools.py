@@ -444,6 +444,20 @@ class FileTools:
 
     # --- the tools -----------------------------------------------------------------------------
 
+    def judge(self, path: str, *, kind: ActionKind) -> None:
+        """Whether `kind` on `path` would be allowed, without doing it (an ACP permission
+        request for an action the agent does itself): the chain, the path rules on the path as
+        mapped, and for a write of a name that does not exist yet the create-time rules.
+
+        Raises:
+            ActionRefused: a guardrail or the policy refuses it.
+        """
+        action = self._action(kind, path)
+        write = kind in WRITE_KINDS
+        mapped = self._admit(action, write=write)
+        if write and not os.path.lexists(mapped.host):
+            self._check_create(action, posixpath.basename(mapped.host), mapped.guest)
+
     @_os_errors_are_tool_errors
     def read(
         self,

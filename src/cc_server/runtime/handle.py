@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -118,6 +118,11 @@ class SandboxHandle:
     error: BaseException | None = None
     details: dict[str, object] = field(default_factory=dict)
     violations: list[SandboxViolation] = field(default_factory=list)
+    # Called with each violation as it is recorded (a dispatch run's audit log); one that raises
+    # is logged and the rest still run.
+    violation_listeners: list[Callable[[SandboxViolation], None]] = field(
+        default_factory=list, repr=False
+    )
     egress: EgressPort | None = field(default=None, repr=False)
     # Every process this handle launched: the session's proxies and a run's credential broker
     # serve a peer only from inside one of their sandboxes (backends/peer.py).
@@ -258,6 +263,11 @@ class SandboxHandle:
         to be its own (a create refused in its sandbox), else to every running execution (the
         session's proxies cannot tell which command connected)."""
         self.violations.append(violation)
+        for listener in list(self.violation_listeners):
+            try:
+                listener(violation)
+            except Exception:
+                log.exception("a violation listener failed")
         for running in [execution] if execution is not None else list(self._running):
             running.push_violation(violation)
 

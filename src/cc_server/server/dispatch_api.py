@@ -36,11 +36,12 @@ never 500: the operator fixes it, not the caller.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
@@ -53,6 +54,7 @@ from cc_server.dispatch.env import EnvRefused
 from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
 from cc_server.dispatch.tools import FileTools
+from cc_server.dispatch.violations import RunViolation
 from cc_server.dispatch.worktrees import WorktreeManager
 from cc_server.egress.operator import OperatorEgress
 from cc_server.errors import BadSpec, CcServerError
@@ -243,10 +245,13 @@ class _Answer(Exception):
         self.response = response
 
 
-def _fail(exc: CcServerError) -> _Answer:
+def _fail(exc: CcServerError, violation: RunViolation | None = None) -> _Answer:
     if isinstance(exc, ActionRefused):
-        body = {"error": "ActionRefused", "message": exc.message, "fix": exc.fix,
-                "guardrail": exc.guardrail}
+        body: dict[str, Any] = {"error": "ActionRefused", "message": exc.message,
+                                "fix": exc.fix, "guardrail": exc.guardrail}
+        if violation is not None:
+            body["violations"] = [violation.to_json()]
+            body["notice"] = violation.notice
         return _Answer(web.json_response(body, status=REFUSED_STATUS))
     if isinstance(exc, EnvRefused):
         status = OPERATOR_CONFIG_STATUS if exc.operator else status_for(exc)
@@ -390,6 +395,16 @@ def _run_json(run: Any) -> dict[str, Any]:
     return out
 
 
+@contextlib.contextmanager
+def _refusals_of(run: Any) -> Iterator[None]:
+    """A guardrail's refusal of one of `run`'s actions is a violation of the run (kept, audited)
+    and the 403 carries it with its notice."""
+    try:
+        yield
+    except ActionRefused as exc:
+        raise _fail(exc, run.violations.refused(exc)) from None
+
+
 def _run(request: web.Request) -> Any:
     key = request.match_info["id"]
     run = _service(request).runs.get(key)
@@ -429,9 +444,11 @@ async def claude(request: web.Request) -> web.StreamResponse:
     """Run the Claude Code CLI in the run's sandbox."""
     run = _run(request)
     body: ClaudeRequest = await _body(request, ClaudeRequest)
-    result = await run_claude(run, body.args, env=body.env,
-                              stdin=None if body.stdin is None else body.stdin.encode(),
-                              timeout_s=body.timeout_s, max_output_bytes=body.max_output_bytes)
+    with _refusals_of(run):
+        result = await run_claude(
+            run, body.args, env=body.env,
+            stdin=None if body.stdin is None else body.stdin.encode(),
+            timeout_s=body.timeout_s, max_output_bytes=body.max_output_bytes)
     return web.json_response({**result.to_json(), "backend": str(run.backend)})
 
 
@@ -441,8 +458,9 @@ async def bash(request: web.Request) -> web.StreamResponse:
     """The harness bash tool."""
     run = _run(request)
     body: BashRequest = await _body(request, BashRequest)
-    result = await run.harness.run(body.command, timeout_s=body.timeout_s,
-                                   max_output_bytes=body.max_output_bytes)
+    with _refusals_of(run):
+        result = await run.harness.run(body.command, timeout_s=body.timeout_s,
+                                       max_output_bytes=body.max_output_bytes)
     return web.json_response({**result.to_json(), "backend": str(run.backend)})
 
 
@@ -460,7 +478,8 @@ async def file_tool(request: web.Request) -> web.StreamResponse:
     tool = request.match_info["tool"]
     b: ToolRequest = await _body(request, ToolRequest)
     # The tools block (a search may run up to its deadline): off the event loop.
-    return web.json_response(await asyncio.to_thread(_call_tool, run.tools, tool, b))
+    with _refusals_of(run):
+        return web.json_response(await asyncio.to_thread(_call_tool, run.tools, tool, b))
 
 
 def _call_tool(tools: FileTools, tool: str, b: ToolRequest) -> Any:
@@ -494,8 +513,10 @@ async def acp_prompt(request: web.Request) -> web.StreamResponse:
     body: PromptRequest = await _body(request, PromptRequest)
     if run.acp is None:
         raise BadSpec(f"run {run.run_id} has no ACP agent", fix="open it with agent 'acp'")
-    return web.json_response({"response": await run.acp.prompt(body.text),
-                              "acp": run.acp.to_json()})
+    mark = run.violations.mark()
+    response = await run.acp.prompt(body.text)
+    return web.json_response({"response": response, "acp": run.acp.to_json(),
+                              "violations": [v.to_json() for v in run.violations.since(mark)]})
 
 
 # --- OpenAPI -------------------------------------------------------------------------------------
