@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from collections.abc import Mapping, Sequence
 from functools import partial
@@ -478,8 +479,53 @@ def _cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _microvm_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """What `run --backend microvm` would set up: the guest's mount steps, shares and command.
+    Nothing is probed or booted.
+
+    Raises:
+        BadSpec: the spec does not compile or its mounts do not fit a VM.
+        BackendUnavailable: the policy needs create-time rules, which the guest does not enforce.
+    """
+    from cc_server.errors import BackendUnavailable
+    from cc_server.microvm.mounts import plan_mounts
+
+    policy = compile_policy(build_spec(args), HostFacts.current(),
+                            deny_create_globs=args.deny_create)
+    if policy.requires_create_rules:
+        raise BackendUnavailable("the policy forbids creating files by name (create-time globs), "
+                                 "which the microVM guest does not enforce",
+                                 fix="request 'native' for this policy")
+    mounts = plan_mounts(policy, is_dir=os.path.isdir, exists=os.path.lexists)
+    return {
+        "backend": "microvm", "argv": command_argv(args), "env": command_env(args),
+        "cwd": policy.workdir or "/",
+        "shares": [{"hostPath": sh.host_path, "readOnly": sh.read_only} for sh in mounts.shares],
+        "guestMounts": [{"op": step.op.name.lower(), "guestPath": step.guest_path,
+                         "tag": step.tag, "readOnly": step.read_only, "reason": step.reason}
+                        for step in mounts.steps],
+    }  # fmt: skip
+
+
+def _render_microvm_plan(plan: Mapping[str, Any]) -> str:
+    lines = ["backend: microvm (the command runs on the guest's kernel; no host argv)",
+             f"cwd: {plan['cwd']}", "env:"]
+    lines += [f"  {k}={shlex.quote(v)}" for k, v in sorted(plan["env"].items())]
+    lines += ["argv:", "  " + shlex.join(plan["argv"]), "shares (9p, one slot each):"]
+    lines += [f"  {sh['hostPath']}{' (read-only)' if sh['readOnly'] else ''}"
+              for sh in plan["shares"]]
+    lines.append("guest mounts, in order:")
+    lines += [f"  {m['op']} {m['guestPath']}{' ' + m['tag'] if m['tag'] else ''}"
+              f"{' ro' if m['readOnly'] else ''}{'  # ' + m['reason'] if m['reason'] else ''}"
+              for m in plan["guestMounts"]]
+    return "\n".join(lines)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
-    if args.platform is None:
+    if args.backend == SandboxBackend.MICROVM:
+        plan_json: dict[str, Any] = _microvm_plan(args)
+        text = _render_microvm_plan(plan_json)
+    elif args.platform is None:
         plan = _plan(args, probe())
     else:
         result, host, temp_dir = _as_platform(args.platform)
@@ -488,11 +534,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     settings = merged_settings(args, _settings_keys(parser(), "plan"))
     sources = [*args.settings_sources, "flags"]
+    if args.backend != SandboxBackend.MICROVM:
+        plan_json = plan.to_json()
     if args.json:
-        out = {**plan.to_json(), "settings": {"sources": sources, "merged": settings}}
+        out = {**plan_json, "settings": {"sources": sources, "merged": settings}}
         print(json.dumps(out, indent=2))
         return 0
-    if plan.argv and plan.argv[0] == SANDBOX_EXEC_PATH:
+    if args.backend == SandboxBackend.MICROVM:
+        print(text)
+    elif plan.argv and plan.argv[0] == SANDBOX_EXEC_PATH:
         print(render_seatbelt_plan(plan))
         if args.platform == "macos" and temp_dir is not None:
             print("note: planned off a Mac: the temp dir and the proxy ports are stand-ins for "

@@ -8,6 +8,7 @@ suite's guest image (built once, microvm_kit) but no snapshot, so the first run 
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -111,3 +112,25 @@ def test_run_backend_microvm_without_qemu_names_the_package(
     assert "BackendUnavailable" in proc.stderr and "is not installed" in proc.stderr
     assert QEMU_PACKAGE_HINT in proc.stderr
     assert not marker.exists()
+
+
+def test_plan_backend_microvm_shows_the_guest_mounts_and_boots_nothing(
+    env: dict[str, str], cache: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    project = tmp_path / "project"
+    (project / "ref").mkdir(parents=True)
+    marker = project / "ran"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cc_server.cli", "plan", "--json", "--backend", "microvm",
+         "--bind", str(project), "--protect", str(project / "ref"), "--", "touch", str(marker)],
+        env=env, cwd=project, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    assert plan["backend"] == "microvm" and plan["argv"] == ["touch", str(marker)]
+    assert plan["cwd"] == str(project)
+    assert plan["shares"] == [{"hostPath": str(project), "readOnly": False}]
+    assert [m["guestPath"] for m in plan["guestMounts"]] == [str(project), str(project / "ref")]
+    assert plan["guestMounts"][1]["op"] == "ro_bind"  # the protected path, carved read-only
+    assert not marker.exists()
+    assert not list(cache.glob("template-*"))  # nothing was booted
