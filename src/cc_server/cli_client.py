@@ -41,7 +41,7 @@ __all__ = ["daemon_socket_path", "main", "stop_daemon"]
 DAEMON_ENV: Final = "CC_SERVER_DAEMON"  # "off": never use the daemon
 START_TIMEOUT_S: Final = 10.0  # from spawning the daemon to its socket answering
 FORWARDED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# What `run` reads from the caller's environment (cli.PASSTHROUGH_ENV and LC_*); nothing else is
+# What `run` reads from the caller's environment (cli_spec.PASSTHROUGH_ENV, LC_*); nothing else is
 # sent. The variables that place the daemon's files (HOME, XDG_*, TMPDIR, the settings file, the
 # microVM cache) and PATH choose the daemon instead (they are part of its key).
 SENT_ENV: Final = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
