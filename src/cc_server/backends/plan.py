@@ -149,7 +149,8 @@ class LaunchPlan:
     identity: SandboxIdentity | None = None
 
     def render(self) -> str:
-        """Human-readable form: one argv word per line, pairs of bwrap options kept together."""
+        """Human-readable form: the backend, cwd and env, then one argv word per line (each quoted
+        for a shell), the notes, and the session command when there is one."""
         lines = [f"backend: {self.backend}"]
         if self.cwd is not None:
             lines.append(f"cwd: {self.cwd}")

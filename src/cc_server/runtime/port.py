@@ -107,6 +107,7 @@ def _launch(
             advice=operator_egress.advice if operator_egress is not None else None,
             on_violation=handle.record_violation,
             on_change=handle.record_egress_change,
+            on_request=handle.record_egress_request,
             base_dir=egress_base,
             resolver=egress_resolver,
             tcp=seatbelt,
@@ -159,7 +160,7 @@ class NoSandboxAdapter:
 
 @dataclass
 class NativeSandboxAdapter:
-    """`native`: bubblewrap on Linux and WSL2; Seatbelt on macOS (not built here yet)."""
+    """`native`: bubblewrap on Linux and WSL2; Seatbelt on macOS (docs/macos.md)."""
 
     probe_result: ProbeResult
     host: HostFacts
