@@ -138,3 +138,63 @@ async def test_a_bad_patch_is_refused_and_changes_nothing(
 async def test_an_unknown_sandbox_is_404(client: aiohttp.ClientSession) -> None:
     async with client.patch("/v1/sandboxes/nope/egress", json={"allow": []}) as resp:
         assert resp.status == 404
+
+
+async def test_ask_over_the_exec_websocket(
+    server: Server, client: aiohttp.ClientSession, upstream_port: int, tmp_path: pathlib.Path
+) -> None:
+    # `localhost` is not listed; the addresses it resolves to are, so it is asked about.
+    sid = f"egress-{secrets.token_hex(6)}"
+    spec = {"sessionId": sid, "workspaceId": "w", "bindMounts": [{"hostPath": str(tmp_path)}],
+            "egressAllowlist": ["127.0.0.1", "::1"]}
+    body = {"spec": spec, "egress": "ask", "egressAskTimeoutS": 20}
+    async with client.post("/v1/sandboxes", json=body) as response:
+        assert response.status == 201, await response.text()
+    script = (f"{CURL} http://localhost:{upstream_port}/; echo; "
+              f"{CURL} http://localhost:{upstream_port}/")
+    frames: list[dict[str, Any]] = []
+    answers = iter(["once", "deny"])
+    try:
+        async with aiohttp.ClientSession(headers=server.auth) as session, session.ws_connect(
+            f"{server.ws_url}/v1/sandboxes/{sid}/exec/ws"
+        ) as ws:
+            await ws.send_json({"argv": ["/bin/sh", "-c", script], "timeoutS": 60})
+            async for message in ws:
+                frame = message.json()
+                frames.append(frame)
+                if frame["type"] == "egress-request":
+                    assert frame["request"]["entry"] == f"localhost:{upstream_port}"
+                    async with client.get(f"/v1/sandboxes/{sid}/egress") as resp:
+                        view = await resp.json()
+                    assert view["asking"] and [r["id"] for r in view["requests"]] == [
+                        frame["request"]["id"]]
+                    await ws.send_json({"egressAnswer": {"id": frame["request"]["id"],
+                                                         "answer": next(answers)}})
+        output = "".join(f.get("data", "") for f in frames if f["type"] == "stdout")
+        assert output.split() == ["200", "403"], frames
+        kinds = [f["type"] for f in frames]
+        assert kinds.count("egress-request") == 2 and kinds.count("violation") == 1, kinds
+        violation = next(f["violation"] for f in frames if f["type"] == "violation")
+        assert "refused when asked" in violation["reason"]
+    finally:
+        async with client.delete(f"/v1/sandboxes/{sid}"):
+            pass
+
+
+async def test_an_answer_to_no_request_is_404(
+    client: aiohttp.ClientSession, tmp_path: pathlib.Path
+) -> None:
+    sid = f"egress-{secrets.token_hex(6)}"
+    spec = {"sessionId": sid, "workspaceId": "w", "bindMounts": [{"hostPath": str(tmp_path)}]}
+    async with client.post("/v1/sandboxes", json={"spec": spec, "egress": "ask"}) as response:
+        assert response.status == 201
+    try:
+        async with client.post(f"/v1/sandboxes/{sid}/egress/requests/nope",
+                               json={"answer": "once"}) as resp:
+            assert resp.status == 404, await resp.text()
+        async with client.post(f"/v1/sandboxes/{sid}/egress/requests/nope",
+                               json={"answer": "always"}) as resp:
+            assert resp.status == 400
+    finally:
+        async with client.delete(f"/v1/sandboxes/{sid}"):
+            pass

@@ -32,7 +32,8 @@ from test_egress import (
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.errors import BadSpec
-from cc_server.runtime.events import EventType
+from cc_server.runtime.events import EgressRequest, EventType
+from cc_server.runtime.handle import SandboxHandle
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -159,3 +160,80 @@ async def test_a_live_allow_cannot_undo_the_deny_list(lab: Lab) -> None:
     found, _ = await run_raw(handle, attempt("meta", "connect", META_NAME, 80))
     assert refused(found["meta"]), found  # ... is still refused: it resolves to metadata
     assert "nothing: the deny list" in (handle.violations[0].fix or "")
+
+
+# Inside: CONNECT to each host:port of argv[1:] in turn, printing each reply's status code.
+CONNECT_EACH = r"""
+import socket, sys
+for target in sys.argv[1:]:
+    with socket.create_connection(("127.0.0.1", 3128), timeout=30) as s:
+        s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+        print(s.recv(65536).split(b" ")[1].decode(), flush=True)
+"""
+
+
+async def run_answering(
+    handle: SandboxHandle, targets: list[str], answers: list[str | None]
+) -> tuple[list[str], list[EgressRequest]]:
+    """Run CONNECT_EACH on `targets`, answering each egress-request with the next of `answers`
+    (None: no answer, so it times out); the status codes and the requests seen."""
+    assert handle.egress is not None
+    pending = iter(answers)
+    statuses: list[str] = []
+    requests: list[EgressRequest] = []
+    execution = handle.exec([PY, "-c", CONNECT_EACH, *targets], timeout_s=60)
+    async with execution:
+        async for event in execution:
+            if event.type is EventType.STDOUT and event.data:
+                statuses += event.data.decode().split()
+            if event.type is EventType.EGRESS_REQUEST:
+                assert event.request is not None
+                requests.append(event.request)
+                answer = next(pending)
+                if answer is not None:
+                    handle.egress.answer(event.request.id, answer)
+    assert await execution.wait() == 0
+    return statuses, requests
+
+
+async def test_an_approval_lets_exactly_that_host_port_through_for_the_scope_chosen(
+    lab: Lab, other: Upstream
+) -> None:
+    up = lab.upstream
+    # The names resolve to 127.0.0.1, listed as an address so the guard would let them through:
+    # what is asked about is the name itself.
+    handle = lab.launch(egressAllowlist=["127.0.0.1"])
+    assert handle.egress is not None
+    handle.egress.ask(timeout_s=2.0)
+    here, there = f"{ALLOWED}:{up.port}", f"{ALLOWED}:{other.port}"
+    statuses, requests = await run_answering(
+        handle, [here, here, here, here, there], ["once", "deny", "session", None]
+    )
+    # once: this connection; deny: refused; session: this one and the next (not asked again);
+    # another port of the same host is asked about, and no answer in 2 s refuses it.
+    assert statuses == ["200", "403", "200", "200", "403"], statuses
+    assert [r.entry for r in requests] == [here, here, here, there]
+    assert all(r.protocol == "http" and r.timeout_s == 2.0 for r in requests)
+    assert all(r.commands and r.commands[0][0] == PY for r in requests), requests
+    assert here in handle.egress.entries and there not in handle.egress.entries
+    assert handle.egress.pending_requests == ()
+    assert_violations(handle, [(ALLOWED, up.port), (ALLOWED, other.port)])
+    assert "was refused when asked" in (handle.violations[0].reason or "")
+    assert "none came in 2 s" in (handle.violations[1].reason or "")
+    assert len(up.seen) == 0 and other.seen == []  # CONNECT_EACH sends nothing through
+    with pytest.raises(BadSpec, match="no egress request"):
+        handle.egress.answer(requests[0].id, "once")  # answered already
+
+
+async def test_deny_list_hosts_and_refused_addresses_are_never_offered(lab: Lab) -> None:
+    up = lab.upstream
+    handle = lab.launch(egressAllowlist=[])
+    assert handle.egress is not None
+    handle.egress.ask(timeout_s=30.0)
+    targets = [f"{META_NAME}:80", "169.254.169.254:80", f"{LOOP_NAME}:{up.port}",
+               f"127.0.0.1:{up.port}", f"[::1]:{up.port6}"]
+    statuses, requests = await run_answering(handle, targets, [])
+    assert statuses == ["403"] * len(targets), statuses
+    assert requests == []  # refused at once, nothing held
+    assert len(handle.violations) == len(targets)
+    assert up.seen == []

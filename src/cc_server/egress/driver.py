@@ -75,11 +75,15 @@ from cc_server.errors import EnforcementFailed
 
 __all__ = [
     "AdoptedListener",
+    "AskAnswer",
+    "Asker",
+    "EgressAsk",
     "EgressRefused",
     "ProxyLimits",
     "ProxyParams",
     "Resolver",
     "SessionProxies",
+    "TunnelHandler",
     "default_advice",
     "entry_for",
     "open_session_proxies",
@@ -142,6 +146,43 @@ class EgressRefused:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EgressAsk:
+    """A connection the allowlist does not name, held while someone is asked about it.
+
+    Only a target no entry can be needed for is asked about: a host on the deny list, an
+    address the guard refuses (loopback, private, metadata, ...) and a name that resolves to
+    one are refused outright, and a session with the network off asks nothing."""
+
+    host: str
+    """The canonical name or address asked for."""
+    port: int
+    """The target port."""
+    protocol: Protocol
+    """Which proxy holds the connection."""
+    kind: Literal["connect", "forward"]
+    """A tunnel, or one forwarded plain-HTTP request."""
+
+    @property
+    def entry(self) -> str:
+        """The allowlist entry that names exactly this target (`host:port`)."""
+        return entry_for(self.host, self.port)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AskAnswer:
+    """What the one asked said: let this connection through, or refuse it and why."""
+
+    allowed: bool
+    reason: str = ""
+    """Why it is refused (`allowed` false), in one sentence."""
+
+
+Asker: TypeAlias = Callable[[EgressAsk], Awaitable[AskAnswer]]
+"""Holds a connection until it is answered; bounds its own wait (the handshake deadline is
+extended by the time it takes)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ProxyLimits:
     """Bounds on every wait and on the number of connections."""
 
@@ -156,6 +197,8 @@ class ProxyLimits:
 
 
 Resolver: TypeAlias = Callable[[str, int], Awaitable[list[IPAddress]]]
+# Serves an allowed tunnel instead of the relay: (client, dialled upstream, early client bytes).
+TunnelHandler: TypeAlias = Callable[[socket.socket, socket.socket, bytes], Awaitable[None]]
 """Name, port -> addresses, in the order to dial them."""
 
 
@@ -208,6 +251,13 @@ class ProxyParams:
     """Name resolution; None: the loop's getaddrinfo (SOCK_STREAM)."""
     limits: ProxyLimits = ProxyLimits()
     """Timeouts and the connection limit."""
+    intercept: Callable[[str, int], TunnelHandler | None] | None = None
+    """Asked for each allowed tunnel (the host as the client named it, the port) once it is
+    dialled: a handler returned serves it instead of the relay (a dispatch run's model
+    credential broker, `dispatch.model_credentials`)."""
+    ask: Asker | None = None
+    """If set, a target the allowlist does not name is held and asked about (`EgressAsk`)
+    instead of refused; the asker can also be set later (`SessionProxies.set_asker`)."""
 
 
 async def system_resolver(host: str, port: int) -> list[IPAddress]:
@@ -287,6 +337,7 @@ class SessionProxies:
         self._params = params
         self._listeners = listeners
         self._allowlist = params.allowlist
+        self._asker = params.ask
         self._deny_only = Allowlist(patterns=(), denied=params.allowlist.denied)
         self._resolver: Resolver = params.resolver or system_resolver
         by_kind = {(lst.protocol, lst.identity is None): lst for lst in listeners}
@@ -324,6 +375,10 @@ class SessionProxies:
         if allowlist.denied != self._deny_only.denied:
             raise ValueError("a running session's egress deny list cannot change")
         self._allowlist = allowlist
+
+    def set_asker(self, asker: Asker | None) -> None:
+        """Ask about unlisted targets from now on (None: refuse them again)."""
+        self._asker = asker
 
     @property
     def active_connections(self) -> int:
@@ -487,6 +542,7 @@ class _Connection:
         )
         upstream: socket.socket | None = None
         addresses: tuple[IPAddress, ...] = ()
+        tunnel: tuple[str, int] | None = None
         try:
             while True:
                 event = machine.next_event()
@@ -509,6 +565,7 @@ class _Connection:
                             machine.upstream_result(False, UPSTREAM_UNREACHABLE)
                         )
                     addresses = verdict.addresses
+                    tunnel = (event.host, event.port) if event.kind == "connect" else None
                 elif isinstance(event, OpenUpstream):
                     upstream, error = await self._dial(addresses, event.port)
                     reply = machine.upstream_result(upstream is not None, error)
@@ -518,6 +575,10 @@ class _Connection:
                     await self._send(reply)
                 elif isinstance(event, StartRelay):
                     assert upstream is not None
+                    intercept = self._params.intercept
+                    handler = intercept(*tunnel) if intercept and tunnel else None
+                    if handler is not None:
+                        return await handler(self._client, upstream, event.to_upstream)
                     result = await relay(
                         self._client,
                         upstream,
@@ -573,8 +634,34 @@ class _Connection:
     # The allowlist, the address guard and the dial.
 
     async def _check(self, event: CheckEgress) -> _Allowed | _Refused | _Unresolved:
-        decision = self._proxies.allowlist.allows(event.host, event.port)
-        if not decision.allowed:
+        allowlist = self._proxies.allowlist
+        decision = allowlist.allows(event.host, event.port)
+        asker = self._proxies._asker
+        if decision.allowed or asker is None or decision.rule is not None or allowlist.is_empty:
+            return await self._checked(event, decision)
+        # Not listed, not denied, network on: check the address as if it were listed, so that
+        # only a target an entry could allow is ever offered.
+        verdict = await self._checked(event, decision, listed=True)
+        if not isinstance(verdict, _Allowed):
+            return verdict  # refused outright, or an upstream failure: nothing to offer
+        ask = EgressAsk(host=decision.host, port=event.port, protocol=self._protocol,
+                        kind=event.kind)
+        started = self._loop.time()
+        try:
+            answer = await asker(ask)
+        except Exception as exc:  # a failed asker refuses; it never lets anything through
+            answer = AskAnswer(allowed=False, reason=f"asking failed: {exc!r}")
+        self._deadline += self._loop.time() - started  # the wait is not the handshake's
+        if answer.allowed:
+            return verdict
+        return _Refused(decision.host, answer.reason or f"{ask.entry} was refused when asked",
+                        self._params.advice(ask.entry))
+
+    async def _checked(
+        self, event: CheckEgress, decision: Decision, *, listed: bool = False
+    ) -> _Allowed | _Refused | _Unresolved:
+        """The allowlist's decision (`listed`: taken as allowed), then the address guard."""
+        if not (decision.allowed or listed):
             return _denied(decision, event.port, self._proxies.allowlist, self._params.advice)
         try:
             target = parse_host(event.host)

@@ -72,6 +72,7 @@ class MicroVMRuntime:
             suggest=suggest,
             on_violation=handle.record_violation,
             on_change=handle.record_egress_change,
+            on_request=handle.record_egress_request,
             base_dir=self.run_base,
             resolver=resolver,
         )

@@ -9,7 +9,9 @@ every one whose server process is gone (`remove_stale_session_dirs`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import enum
 import logging
 import os
 import re
@@ -18,7 +20,7 @@ import shutil
 import signal
 import socket
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Final, Protocol
 
 from cc_server.backends.identity import sandbox_uids
 from cc_server.backends.peer import PeerRule, ThisProcess
@@ -26,19 +28,35 @@ from cc_server.backends.plan import EgressBridge
 from cc_server.egress.changes import EgressChange, apply_change
 from cc_server.egress.driver import (
     AdoptedListener,
+    AskAnswer,
+    EgressAsk,
     EgressRefused,
     ProxyParams,
     Resolver,
     SessionProxies,
+    TunnelHandler,
     default_advice,
     start_session_proxies,
 )
 from cc_server.egress.patterns import Allowlist
-from cc_server.errors import EnforcementFailed
+from cc_server.errors import BadSpec, EnforcementFailed
 from cc_server.rundir import base_dir_views, egress_base_dir, names_of_dead_owners
-from cc_server.runtime.events import EgressChanged, SandboxViolation
+from cc_server.runtime.events import EgressChanged, EgressRequest, SandboxViolation
 
 log = logging.getLogger("cc_server.egress")
+
+ASK_TIMEOUT_S: Final = 30.0  # a held connection's wait for an answer; then it is refused
+# Connections held for an answer at once, per session; more are refused at once (a command that
+# opens hundreds of connections to unlisted hosts must not hold hundreds of sockets).
+MAX_PENDING_REQUESTS: Final = 16
+
+
+class Answer(enum.StrEnum):
+    """An answer to an egress request."""
+
+    ONCE = "once"  # this connection only
+    SESSION = "session"  # this connection, and host:port is added to the allowlist
+    DENY = "deny"  # refused, reported as a violation
 
 __all__ = [
     "Monitor",
@@ -125,19 +143,26 @@ class SessionEgress:
         monitor: Monitor | None = None,
         peers: PeerRule | None = None,
         on_change: Callable[[EgressChanged], None] | None = None,
+        on_request: Callable[[EgressRequest], None] | None = None,
+        intercept: Callable[[str, int], TunnelHandler | None] | None = None,
     ) -> None:
         """`tcp`: the proxies also listen on loopback TCP, for a sandbox that shares the host's
         loopback (macOS); `monitor`: the backend's violation monitor, started and stopped with
         the proxies; `peers`: whom the Unix sockets serve (a native session: its own sandboxes,
         `SandboxPeers`; by default only this process, as a microVM's link); `advice`: how a
         refused host is allowed, when not by the session's egressAllowlist; `on_change`: told
-        of each change to the allowlist (`change`), after it applies."""
+        of each change to the allowlist (`change`), after it applies; `on_request`: told of each
+        connection held for an answer (`ask`)."""
         self.session_id = session_id
         self.allowlist = allowlist
         self._on_change = on_change
+        self._on_request = on_request
+        self._ask_timeout_s: float | None = None
+        self._pending: dict[str, tuple[EgressRequest, asyncio.Future[Answer]]] = {}
         self._suggest = suggest
         self._advice = advice or default_advice
         self._on_violation = on_violation
+        self._intercept = intercept  # ProxyParams.intercept (a dispatch run's model broker)
         self._base_dir = base_dir
         self._resolver = resolver
         self._tcp = tcp
@@ -197,6 +222,106 @@ class SessionEgress:
         `change`, which says what it raises."""
         return self.change(EgressChange(remove=entries), by=by)
 
+    # Ask mode: the approval queue.
+
+    def ask(self, timeout_s: float = ASK_TIMEOUT_S) -> None:
+        """From now on hold a connection to a target the allowlist does not name, for at most
+        `timeout_s`, and tell `on_request` (an `egress-request`); `answer` lets it through or
+        refuses it. Deny-list targets, refused addresses and a session with the network off are
+        refused as before, never asked about.
+
+        Raises:
+            BadSpec: `timeout_s` is not positive.
+        """
+        if not timeout_s > 0:
+            raise BadSpec(f"an egress request's timeout must be positive, not {timeout_s!r}")
+        self._ask_timeout_s = timeout_s
+        if self._proxies is not None:
+            self._proxies.set_asker(self._asked)
+
+    @property
+    def asking(self) -> bool:
+        """Whether unlisted targets are asked about (`ask`)."""
+        return self._ask_timeout_s is not None
+
+    @property
+    def pending_requests(self) -> tuple[EgressRequest, ...]:
+        """The requests waiting for an answer, oldest first."""
+        return tuple(request for request, _ in self._pending.values())
+
+    def answer(self, request_id: str, answer: Answer | str) -> EgressRequest:
+        """Answer a pending request: `once`, `session` (adds its `host:port` entry, an
+        `egress-changed` event) or `deny`. Every connection waiting on it gets the answer.
+
+        Raises:
+            BadSpec: no such request is pending (answered, timed out, or never asked), or the
+                answer is not once, session or deny.
+        """
+        try:
+            chosen = Answer(answer)
+        except ValueError:
+            raise BadSpec(
+                f"{answer!r} is not an answer", fix="answer once, session or deny"
+            ) from None
+        pending = self._pending.get(request_id)
+        if pending is None or pending[1].done():
+            raise BadSpec(
+                f"no egress request {request_id!r} is waiting in session {self.session_id!r}",
+                fix="it was answered already, or its time ran out (a denial)",
+            )
+        request, future = pending
+        if chosen is Answer.SESSION:
+            self.allow(request.entry, by="approval")
+        future.set_result(chosen)
+        log.info("egress %s: request %s for %s answered %s", self.session_id, request_id,
+                 request.entry, chosen)
+        return request
+
+    async def _asked(self, ask: EgressAsk) -> AskAnswer:
+        """The proxies' asker: hold the connection until an answer or the timeout."""
+        timeout_s = self._ask_timeout_s
+        if timeout_s is None:  # ask mode was never on; the proxies were told otherwise
+            return AskAnswer(allowed=False, reason=f"{ask.entry} is not on the allowlist")
+        for held, waiting in self._pending.values():  # the same target asked already
+            if held.entry == ask.entry and not waiting.done():
+                return await self._wait(held, waiting, timeout_s)
+        if len(self._pending) >= MAX_PENDING_REQUESTS:
+            return AskAnswer(
+                allowed=False,
+                reason=f"{ask.entry}: {MAX_PENDING_REQUESTS} connections are waiting for an "
+                "answer already",
+            )
+        request = EgressRequest(id=secrets.token_hex(6), host=ask.host, port=ask.port,
+                                protocol=ask.protocol, entry=ask.entry, timeout_s=timeout_s)
+        future: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        self._pending[request.id] = (request, future)
+        log.info("egress %s: request %s: %s held for an answer (%g s)", self.session_id,
+                 request.id, request.entry, timeout_s)
+        try:
+            if self._on_request is not None:
+                self._on_request(request)
+            return await self._wait(request, future, timeout_s)
+        finally:
+            self._pending.pop(request.id, None)
+            if not future.done():  # its time ran out: so it has for every connection on it
+                future.set_exception(TimeoutError())
+                future.exception()  # retrieved: no "never retrieved" warning
+
+    async def _wait(
+        self, request: EgressRequest, future: asyncio.Future[Answer], timeout_s: float
+    ) -> AskAnswer:
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await asyncio.shield(future)
+        except TimeoutError:
+            return AskAnswer(
+                allowed=False,
+                reason=f"{request.entry} was held for an answer and none came in {timeout_s:g} s",
+            )
+        if answer is Answer.DENY:
+            return AskAnswer(allowed=False, reason=f"{request.entry} was refused when asked")
+        return AskAnswer(allowed=True)
+
     def _refused(self, refusal: EgressRefused) -> None:
         self._on_violation(
             SandboxViolation(
@@ -237,6 +362,8 @@ class SessionEgress:
                         listen_tcp=self._tcp,
                         resolver=self._resolver,
                         unix_peers=self._peers,
+                        intercept=self._intercept,
+                        ask=self._asked if self._ask_timeout_s is not None else None,
                     )
                 )
                 if self._monitor is not None:

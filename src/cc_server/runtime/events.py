@@ -8,6 +8,7 @@ from typing import Final
 
 __all__ = [
     "EgressChanged",
+    "EgressRequest",
     "EventType",
     "IllegalTransition",
     "SandboxEvent",
@@ -67,6 +68,7 @@ class EventType(enum.StrEnum):
     KILLED = "killed"
     EXIT = "exit"
     EGRESS_CHANGED = "egress-changed"  # the session's allowlist changed while it runs
+    EGRESS_REQUEST = "egress-request"  # a connection is held until someone answers (ask mode)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +111,27 @@ class EgressChanged:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EgressRequest:
+    """A connection to a target the allowlist does not name, held until it is answered
+    (`once`, `session` or `deny`) or its time is up (a denial, reported as a violation)."""
+
+    id: str  # answer with this
+    host: str  # the canonical name or address
+    port: int
+    protocol: str  # http or socks5: which proxy holds it
+    entry: str  # the allowlist entry `session` adds: exactly host:port
+    timeout_s: float  # no answer in this time is a denial
+    commands: tuple[tuple[str, ...], ...] = ()  # the argv of each command running then (the
+    # proxies cannot tell which one connected)
+
+    def to_json(self) -> dict[str, object]:
+        """camelCase JSON."""
+        return {"id": self.id, "host": self.host, "port": self.port, "protocol": self.protocol,
+                "entry": self.entry, "timeoutS": self.timeout_s,
+                "commands": [list(argv) for argv in self.commands]}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SandboxEvent:
     """One event on a sandbox handle. Which optional fields are set depends on `type`."""
 
@@ -120,6 +143,7 @@ class SandboxEvent:
     reason: str | None = None  # killed: "timeout", "manual", "destroyed"
     violation: SandboxViolation | None = None  # violation
     egress: EgressChanged | None = None  # egress-changed
+    request: EgressRequest | None = None  # egress-request
 
     def to_json(self) -> dict[str, object]:
         """camelCase JSON; output bytes are decoded as UTF-8 with replacement characters."""
@@ -136,4 +160,6 @@ class SandboxEvent:
             out["violation"] = self.violation.to_json()
         if self.egress is not None:
             out["egress"] = self.egress.to_json()
+        if self.request is not None:
+            out["request"] = self.request.to_json()
         return out

@@ -38,6 +38,7 @@ from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
 from cc_server.runtime.events import (
     EgressChanged,
+    EgressRequest,
     EventType,
     SandboxEvent,
     SandboxState,
@@ -92,6 +93,24 @@ class EgressPort(Protocol):
 
     def remove(self, *entries: str, by: str = "library") -> EgressChanged:
         """Remove allowlist entries for the next connection (see runtime.egress)."""
+        ...
+
+    def ask(self, timeout_s: float = ...) -> None:
+        """Hold connections to unlisted targets until answered (see runtime.egress)."""
+        ...
+
+    @property
+    def asking(self) -> bool:
+        """Whether unlisted targets are asked about."""
+        ...
+
+    @property
+    def pending_requests(self) -> tuple[EgressRequest, ...]:
+        """The requests waiting for an answer."""
+        ...
+
+    def answer(self, request_id: str, answer: str) -> EgressRequest:
+        """Answer a pending request: once, session or deny (see runtime.egress)."""
         ...
 
 
@@ -255,6 +274,16 @@ class SandboxHandle:
         """Tell every running execution that the session's allowlist changed (an event)."""
         for running in list(self._running):
             running.push_event(EventType.EGRESS_CHANGED, egress=change)
+
+    def record_egress_request(self, request: EgressRequest) -> None:
+        """Tell every running execution that a connection waits for an answer (an event that
+        names every running command: the proxies cannot tell which one connected)."""
+        running = list(self._running)
+        request = dataclasses.replace(
+            request, commands=tuple(tuple(r.command.argv) for r in running)
+        )
+        for execution in running:
+            execution.push_event(EventType.EGRESS_REQUEST, request=request)
 
     def record_violation(
         self, violation: SandboxViolation, execution: Execution | None = None

@@ -33,6 +33,7 @@ from cc_server.server.exec_result import send_exec_result
 from cc_server.server.logs import log_event
 from cc_server.server.models import (
     CreateSandboxWire,
+    EgressAnswerRequest,
     EgressChangeRequest,
     ExecRequest,
     ExecStreamInput,
@@ -169,6 +170,12 @@ async def create_sandbox(request: web.Request) -> web.StreamResponse:
         log_event("sandbox.refused", exc.message, level=logging.WARNING,
                   sessionId=spec.session_id, error=type(exc).__name__)
         _refuse_error(exc)
+    if wire.egress == "ask":
+        if handle.egress is None:
+            await state.manager.destroy(spec.session_id)
+            raise _Refused(409, "Conflict", f"egress ask needs the session's proxies; backend "
+                           f"{handle.backend} has none", "use the native or microvm backend")
+        handle.egress.ask(wire.egress_ask_timeout_s)
     log_event("sandbox.created", f"sandbox {spec.session_id} created",
               sessionId=spec.session_id, backend=str(handle.backend))
     return web.json_response(
@@ -223,7 +230,9 @@ def _egress_view(handle: SandboxHandle) -> dict[str, Any]:
                        f"{handle.backend}): its network is not decided per connection",
                        "create the sandbox with the native or microvm backend")
     return {"entries": list(egress.entries),
-            "denied": [rule.entry for rule in egress.allowlist.denied]}
+            "denied": [rule.entry for rule in egress.allowlist.denied],
+            "asking": egress.asking,
+            "requests": [request.to_json() for request in egress.pending_requests]}
 
 
 @routes.get("/v1/sandboxes/{id}/egress")
@@ -250,6 +259,22 @@ async def change_egress(request: web.Request) -> web.StreamResponse:
                   sessionId=handle.session_id, added=list(change.added),
                   removed=list(change.removed))
     return web.json_response({**_egress_view(handle), "change": change.to_json()})
+
+
+@routes.post("/v1/sandboxes/{id}/egress/requests/{request}")
+async def answer_egress_request(request: web.Request) -> web.StreamResponse:
+    """Answer a held connection: once, session (adds its host:port) or deny."""
+    handle = _handle(_state(request), request.match_info["id"])
+    req: EgressAnswerRequest = _decode(await request.read(), EgressAnswerRequest)
+    _egress_view(handle)  # 409 without egress
+    assert handle.egress is not None
+    try:
+        answered = handle.egress.answer(request.match_info["request"], req.answer)
+    except BadSpec as exc:
+        raise _Refused(404, "NotFound", exc.message, exc.fix) from None
+    log_event("sandbox.egress-answer", f"sandbox {handle.session_id} egress request answered",
+              sessionId=handle.session_id, entry=answered.entry, answer=req.answer)
+    return web.json_response(answered.to_json())
 
 
 def _vm(request: web.Request) -> MicroVMHandle:
@@ -399,6 +424,19 @@ async def _ws_refuse(ws: web.WebSocketResponse, status: int, body: dict[str, Any
     await ws.close(code=WS_CLOSE_BASE + status, message=body["error"].encode()[:120])
 
 
+async def _ws_answer(ws: web.WebSocketResponse, handle: SandboxHandle,
+                     msg: EgressAnswerRequest) -> None:
+    """Answer an egress request from the exec WebSocket; a bad answer is an error frame."""
+    try:
+        if handle.egress is None or msg.id is None:
+            raise BadSpec("egressAnswer needs an id, and a sandbox with egress proxies")
+        handle.egress.answer(msg.id, msg.answer)
+    except BadSpec as exc:
+        with contextlib.suppress(ConnectionError):
+            await ws.send_str(json.dumps({"type": "error", "error": "BadRequest",
+                                          "message": exc.message, "fix": exc.fix}))
+
+
 async def _client_messages(ws: web.WebSocketResponse, execution: Execution) -> None:
     """Apply stdin / stdinClose / kill messages until the client closes, then kill."""
     try:
@@ -418,6 +456,8 @@ async def _client_messages(ws: web.WebSocketResponse, execution: Execution) -> N
                     await execution.write_stdin(data)
                 if cmd.stdin_close:
                     execution.close_stdin()
+            if cmd.egress_answer is not None:
+                await _ws_answer(ws, execution.handle, cmd.egress_answer)
             if cmd.kill:
                 await execution.kill(reason="manual")
     finally:

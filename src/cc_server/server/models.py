@@ -14,8 +14,10 @@ from cc_server.runtime.events import EventType, SandboxState
 
 __all__ = [
     "CreateSandboxRequest",
+    "EgressAnswerRequest",
     "EgressChangeRequest",
     "EgressChangedView",
+    "EgressRequestView",
     "EgressView",
     "ErrorBody",
     "ExecRequest",
@@ -37,11 +39,18 @@ class _Body(msgspec.Struct, rename="camel", forbid_unknown_fields=True, frozen=T
     pass
 
 
+_AskTimeout = Annotated[float, msgspec.Meta(gt=0, le=600, description="Seconds a held "
+                                            "connection waits for an answer")]
+
+
 class CreateSandboxRequest(_Body, frozen=True):
     """POST /v1/sandboxes."""
 
     spec: SandboxSpec  # what to launch; the reference page's SandboxSpec
     backend: SandboxBackend | None = None  # unspecified: native when the host offers it, else none
+    egress: Literal["allowlist", "ask"] = "allowlist"  # ask: hold an unlisted target's
+    # connection and send an egress-request event (answered once, session or deny)
+    egress_ask_timeout_s: _AskTimeout = 30.0  # ask: no answer in this time is a denial
 
 
 class CreateSandboxWire(_Body, frozen=True):
@@ -49,6 +58,8 @@ class CreateSandboxWire(_Body, frozen=True):
 
     spec: msgspec.Raw
     backend: str | None = None
+    egress: Literal["allowlist", "ask"] = "allowlist"
+    egress_ask_timeout_s: _AskTimeout = 30.0
 
 
 _Argv = Annotated[list[str], msgspec.Meta(min_length=1, description="Program and arguments")]
@@ -99,12 +110,34 @@ class EgressChangedView(_Body, frozen=True):
     by: str  # who asked: api, library, dispatch, approval
 
 
-class EgressView(_Body, frozen=True):
+class EgressRequestView(_Body, frozen=True):
+    """A connection held until it is answered (the `egress-request` event's `request`)."""
+
+    id: str  # answer with POST /v1/sandboxes/{id}/egress/requests/{requestId}
+    host: str  # the canonical name or address
+    port: int
+    protocol: str  # http or socks5
+    entry: str  # what `session` adds to the allowlist: exactly host:port
+    timeout_s: float  # no answer in this time is a denial, reported as a violation
+    commands: list[list[str]]  # the argv of each command running when it was asked
+
+
+class EgressView(_Body, frozen=True, omit_defaults=True):
     """GET and PATCH /v1/sandboxes/{id}/egress: the allowlist now, and what a PATCH changed."""
 
     entries: list[str]  # the session's allowlist, canonical, in order
     denied: list[str]  # the deny list (wins over every entry; cannot change)
+    asking: bool  # unlisted targets are held and asked about (created with egress: ask)
+    requests: list[EgressRequestView]  # the requests waiting for an answer
     change: EgressChangedView | None = None  # PATCH: what it did
+
+
+class EgressAnswerRequest(_Body, frozen=True):
+    """POST /v1/sandboxes/{id}/egress/requests/{requestId}, and `egressAnswer` on the exec
+    WebSocket (with `id`)."""
+
+    answer: Literal["once", "session", "deny"]  # session adds the request's host:port entry
+    id: str | None = None  # the request (WebSocket only; the URL names it otherwise)
 
 
 class ExecResult(_Body, frozen=True):
@@ -155,6 +188,7 @@ class SandboxEventView(_Body, frozen=True, omit_defaults=True):
     reason: str | None = None  # killed: timeout, manual, destroyed, disconnected, shutdown
     violation: SandboxViolationView | None = None  # violation
     egress: EgressChangedView | None = None  # egress-changed
+    request: EgressRequestView | None = None  # egress-request
 
 
 class ExecStreamInput(_Body, frozen=True, omit_defaults=True):
@@ -164,6 +198,7 @@ class ExecStreamInput(_Body, frozen=True, omit_defaults=True):
     stdin_base64: str | None = None  # bytes to write, as base64
     stdin_close: bool = False  # send EOF
     kill: bool = False  # kill the command (it reports killed, then exit)
+    egress_answer: EgressAnswerRequest | None = None  # answer an egress-request (by its id)
 
 
 class KillResult(_Body, frozen=True):

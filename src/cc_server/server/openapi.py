@@ -10,7 +10,9 @@ import msgspec
 from cc_server import __version__
 from cc_server.server.models import (
     CreateSandboxRequest,
+    EgressAnswerRequest,
     EgressChangeRequest,
+    EgressRequestView,
     EgressView,
     ErrorBody,
     ExecRequest,
@@ -33,7 +35,9 @@ BACKEND_UNAVAILABLE_STATUS: Final = 409
 
 _MODELS: Final = (
     CreateSandboxRequest,
+    EgressAnswerRequest,
     EgressChangeRequest,
+    EgressRequestView,
     EgressView,
     ErrorBody,
     ExecRequest,
@@ -164,6 +168,19 @@ def _paths() -> dict[str, Any]:
                 "requestBody": {"required": True, "content": {"application/json": {
                     "schema": _ref(EgressChangeRequest)}}},
                 "responses": {"200": _json(EgressView, "the allowlist after the change"),
+                              **_errors(400, 401, 404, 409)},
+            },
+        },
+        "/v1/sandboxes/{id}/egress/requests/{request}": {
+            "parameters": [_ID_PARAM, {"name": "request", "in": "path", "required": True,
+                                       "schema": {"type": "string"},
+                                       "description": "The egress-request event's id"}],
+            "post": {
+                "summary": "Answer a connection held for an answer (sandbox created with "
+                           "egress: ask): once, session (adds its host:port) or deny",
+                "requestBody": {"required": True, "content": {"application/json": {
+                    "schema": _ref(EgressAnswerRequest)}}},
+                "responses": {"200": _json(EgressRequestView, "the request answered"),
                               **_errors(400, 401, 404, 409)},
             },
         },

@@ -62,7 +62,7 @@ def test_state_and_event_names() -> None:
     ]  # fmt: skip
     assert [str(t) for t in EventType] == [
         "starting", "ready", "stdout", "stderr", "violation", "killed", "exit",
-        "egress-changed",  # ours: a running session's allowlist changed
+        "egress-changed", "egress-request",  # ours: egress decided while the session runs
     ]  # fmt: skip
     assert issubclass(IllegalTransition, RuntimeError)
 
