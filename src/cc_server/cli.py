@@ -23,6 +23,7 @@ from cc_server.cli_spec import (
     command_argv,
     command_env,
 )
+from cc_server.cli_violations import ViolationPrinter, print_live
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import (
     HostFacts,
@@ -111,8 +112,9 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--network", action=argparse.BooleanOptionalAction, default=None,
                    help="--no-network: networkEnabled false (the proxies still start and "
                    "refuse everything)")
-    p.add_argument("--allow-domain", action="append", default=[], metavar="PATTERN",
-                   help="add to the session's egress allowlist: host, *.domain, a.*.b (repeatable)")
+    p.add_argument("--allow-domain", action="append", default=[], metavar="PATTERN[:PORT]",
+                   help="add to the session's egress allowlist: host, *.domain, a.*.b or an IP, "
+                   "each with an optional :PORT (pypi.org:443, [::1]:8080); repeatable")
     p.add_argument("--capability", action="append", default=[], choices=CAPABILITIES,
                    help="grant an agent capability (repeatable)")
     p.add_argument("--env", type=_env_pair, action="append", default=[], metavar="NAME=VALUE",
@@ -159,6 +161,9 @@ def parser() -> argparse.ArgumentParser:
     _add_run_options(p_run)
     p_run.add_argument("--events", choices=["json"], help="stream events as JSON lines")
     p_run.add_argument("--timeout", type=float, metavar="SECONDS", help="kill after SECONDS")
+    p_run.add_argument("--ask", action="store_true",
+                       help="on a terminal: ask about each connection to a host the allowlist "
+                       "does not name (once, session, deny; 30 s, then refused)")
     p_serve = sub.add_parser("serve", help="run the HTTP and WebSocket server")
     p_serve.add_argument("--host", default="127.0.0.1",
                          help="address to bind (non-loopback only with --tls-cert/--tls-key)")
@@ -387,9 +392,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         import asyncio
 
         return asyncio.run(_run_streaming(args, result))
-    if args.events is None and args.timeout is None and _backend(args, result) is not (
-        SandboxBackend.NATIVE
-    ):
+    if args.events is None and args.timeout is None and not args.ask and _backend(
+        args, result
+    ) is not SandboxBackend.NATIVE:
         return run_attached(_plan(args, result))  # no proxies to run: no event loop needed
     import asyncio  # lazy import (the proxies and the event streams need the event loop)
 
@@ -398,6 +403,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
     # Lazy imports: only the streaming path pays for the runtime and its event loop.
+    from cc_server.cli_ask import open_asking
     from cc_server.runtime.events import EventType
     from cc_server.runtime.port import SandboxManager
 
@@ -408,11 +414,14 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
     handle = manager.launch(build_spec(args), backend=requested, deny_create_globs=args.deny_create)
     stream = args.events == "json"
     relay = not stream and requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
+    live = print_live(handle, sys.stderr)  # each violation on stderr as it happens
     try:
         execution = handle.exec(command_argv(args), env=command_env(args),
                                 inherit_stdio=not stream and not relay, timeout_s=args.timeout)
-        async with execution:
+        async with open_asking(args.ask, handle, sys.stderr) as prompter, execution:
             async for event in execution:
+                if prompter is not None and event.request is not None:
+                    prompter.offer(event.request)
                 if stream:
                     sys.stdout.write(json.dumps(event.to_json()) + "\n")
                     sys.stdout.flush()
@@ -420,7 +429,7 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
                     print(f"cc-server: command killed ({event.reason})", file=sys.stderr)
                 elif relay:
                     await write_output(event, sys.stdout.fileno(), sys.stderr.fileno())
-        print_violations(handle, sys.stderr)
+        live.rest(handle)
         return await execution.wait()
     finally:
         await manager.aclose()
@@ -460,11 +469,9 @@ async def probe_microvm_runtime(progress_to: TextIO) -> MicroVMRuntime:
 
 
 def print_violations(handle: SandboxHandle, file: TextIO) -> None:
-    """One line per violation of the run, with the capability that would allow it."""
-    for violation in handle.violations:
-        hint = (f" (capability {violation.suggested_capability} would allow it)"
-                if violation.suggested_capability else "")
-        print(f"cc-server: violation: {violation.action} {violation.target}{hint}", file=file)
+    """One line per violation of the run: its reason and the fix that applies
+    (`cli_violations`)."""
+    ViolationPrinter(file).rest(handle)
 
 
 def _cmd_daemon(args: argparse.Namespace) -> int:

@@ -15,8 +15,8 @@ lives in the user's private runtime directory (0700, checked), and it serves onl
 daemon). One daemon serves one build of cc-server with one HOME and PATH: its socket name
 carries a key of those (and of every source file's modification time), so a changed installation
 gets a fresh daemon. `CC_SERVER_DAEMON=off` runs everything in this process instead, as do
-`--events`, `--help` and every other verb. If the daemon cannot be started, `run` runs in this
-process too: the same sandbox, only slower.
+`--events`, `--ask` (it reads the terminal itself), `--help` and every other verb. If the
+daemon cannot be started, `run` runs in this process too: the same sandbox, only slower.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _eligible(argv: Sequence[str]) -> bool:
     for arg in argv[1:]:
         if arg == "--":
             break
-        if arg in ("-h", "--help") or arg.startswith("--events"):
+        if arg in ("-h", "--help", "--ask") or arg.startswith("--events"):
             return False
     return _peers_identifiable()
 

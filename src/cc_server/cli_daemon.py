@@ -129,6 +129,7 @@ class _Daemon:
         self, client: socket.socket, request: dict[str, Any], stdio: tuple[int, int, int]
     ) -> int:
         from cc_server import cli
+        from cc_server.cli_violations import print_live
         from cc_server.errors import BadSpec, CcServerError
         from cc_server.policy import SandboxBackend
 
@@ -152,6 +153,7 @@ class _Daemon:
                 handle = self.manager.launch(
                     spec, backend=requested, deny_create_globs=args.deny_create
                 )
+                live = print_live(handle, err)  # each violation as it happens
                 relay = requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
                 execution = handle.exec(
                     cli.command_argv(args), env=cli.command_env(args, environ),
@@ -166,7 +168,7 @@ class _Daemon:
                     finally:
                         watcher.cancel()
                         await asyncio.wait([watcher])
-                cli.print_violations(handle, err)
+                live.rest(handle)
                 return code
             except CcServerError as exc:
                 print(f"cc-server: {type(exc).__name__}: {exc}", file=err)
