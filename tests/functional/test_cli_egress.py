@@ -6,7 +6,6 @@ loopback."""
 from __future__ import annotations
 
 import contextlib
-import http.server
 import os
 import pathlib
 import pty
@@ -16,13 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from cli_kit import daemon_pids
+from egress_kit import serve_ok_on_loopback
 
 pytestmark = pytest.mark.integration
 
@@ -30,27 +28,10 @@ DEADLINE_S = 30.0  # a hang guard; each step here takes well under a second
 CURL = "curl -sS -m 20 -o /dev/null -w '%{http_code}\\n' --noproxy '' -x http://127.0.0.1:3128"
 
 
-class _Ok(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture
 def upstream_port() -> Iterator[int]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Ok)
-    thread = threading.Thread(target=httpd.serve_forever, name="upstream", daemon=True)
-    thread.start()
-    try:
-        yield httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+    with serve_ok_on_loopback() as port:
+        yield port
 
 
 @pytest.fixture

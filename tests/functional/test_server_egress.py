@@ -4,32 +4,20 @@
 
 from __future__ import annotations
 
-import http.server
 import pathlib
 import secrets
-import threading
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
 import pytest
+from egress_kit import serve_ok_on_loopback
 from server_kit import Server, running_server
 
 pytestmark = pytest.mark.integration
 
 # curl honours NO_PROXY (the bridge puts loopback in it) even with -x; '' overrides it.
 CURL = "curl -sS -m 10 -o /dev/null -w %{http_code} --noproxy '' -x http://127.0.0.1:3128"
-
-
-class _Quiet(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Length", "2")
-        self.end_headers()
-        self.wfile.write(b"ok")
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
 
 
 @pytest.fixture(scope="module")
@@ -46,15 +34,8 @@ async def client(server: Server) -> AsyncIterator[aiohttp.ClientSession]:
 
 @pytest.fixture
 def upstream_port() -> Iterator[int]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Quiet)
-    thread = threading.Thread(target=httpd.serve_forever, name="upstream", daemon=True)
-    thread.start()
-    try:
-        yield httpd.server_address[1]
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+    with serve_ok_on_loopback() as port:
+        yield port
 
 
 async def curl(client: aiohttp.ClientSession, session_id: str, port: int) -> dict[str, Any]:
