@@ -21,6 +21,7 @@ from aiohttp import web
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.guardrails import Guardrail
+from cc_server.dispatch.model_credentials import ModelCredentials
 from cc_server.dispatch.service import DispatchConfig, DispatchService
 from cc_server.dispatch.worktrees import WorktreeManager, WorktreeStrategy, mounted_under
 from cc_server.egress.operator import OperatorEgress
@@ -127,6 +128,7 @@ async def open_dispatch(
     agent_dirs: tuple[str, ...] = (),
     strategy: WorktreeStrategy | None = None,
     operator_egress: OperatorEgress | None = None,
+    model_credentials: ModelCredentials | None = None,
 ) -> AsyncIterator[Dispatch]:
     """A service with a registered repo `r` and the npm agents configured; everything is torn
     down after, and no mount is left under tmp."""
@@ -142,6 +144,7 @@ async def open_dispatch(
         state_base=str(tmp / "runs"), claude_path=str(CLAUDE_BIN),
         acp_agent=acp_agent or (str(ACP_AGENT_BIN),), agent_dirs=(modules, *agent_dirs),
         guardrails=tuple(guardrails), operator_egress=operator_egress or OperatorEgress(),
+        model_credentials=model_credentials,
     )
     env: dict[str, Any] = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
                            "LANG": "C.UTF-8"}

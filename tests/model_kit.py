@@ -4,8 +4,8 @@ It answers `POST /v1/messages` (streamed or not) from a script of tool calls: a 
 offers the script's next tool gets a `tool_use` block for it (the step is the number of
 `tool_result` blocks the conversation already holds), and one past the script, or a side request
 that offers no such tool (a title, a summary), gets a short text. Everything it receives is
-recorded: each request's headers and body, and the text of every tool result, which is what the
-agent's model would read. Over HTTPS with a certificate from a test CA (`TestCA`), or plain HTTP.
+recorded: each request's headers and body, and what the agent told its model about each tool
+call (`feedback`). Over HTTPS with a certificate from a test CA (`UpstreamCA`), or plain HTTP.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class Received:
     body: dict[str, Any]
 
 
-class TestCA:
+class UpstreamCA:
     """A throw-away CA and a leaf for 127.0.0.1 / localhost, written as PEM files."""
 
     def __init__(self, directory: str) -> None:
@@ -190,7 +190,7 @@ def _events(message: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
 
 @contextlib.contextmanager
 def fake_messages_api(
-    steps: Sequence[ToolStep], *, tls: TestCA | None = None
+    steps: Sequence[ToolStep], *, tls: UpstreamCA | None = None
 ) -> Iterator[tuple[str, FakeModel]]:
     """Serve the fake API on 127.0.0.1; yields its base URL and the model."""
     model = FakeModel(steps)

@@ -25,6 +25,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import json
@@ -48,6 +49,7 @@ from cc_server.dispatch.guardrails import (
     standard_chain,
 )
 from cc_server.dispatch.harness import HarnessBash
+from cc_server.dispatch.model_credentials import ModelBroker, ModelCredentials
 from cc_server.dispatch.tools import FileTools
 from cc_server.dispatch.violations import NoticeFile, ViolationLog, notice_hook_settings
 from cc_server.dispatch.worktrees import Worktree, WorktreeManager, WorktreeStrategy
@@ -120,6 +122,8 @@ class DispatchConfig:
     server_private: tuple[str, ...] = ()  # the token file, the socket base: never inside a bind
     # the operator's extension of the baseline allowlist and the agents' model endpoint
     operator_egress: OperatorEgress = field(default_factory=OperatorEgress)
+    # the agents' model key, brokered per run (dispatch.model_credentials); None: not brokered
+    model_credentials: ModelCredentials | None = None
 
     def agent_argv(self, agent: AgentKind) -> tuple[str, ...] | None:
         """The configured command of an agent kind (None for the harness or when not set)."""
@@ -152,7 +156,8 @@ class DispatchRun:
     # NO_PROXY when the model endpoint is on loopback (see `DispatchService.agent_prefix`).
     agent_prefix: tuple[str, ...] = ()
     acp: Any = None  # the AcpSession of an ACP run (dispatch.acp)
-    notices: NoticeFile | None = None  # a Claude Code run's notices for its hook
+    notices: NoticeFile | None = None  # an agent run's notices for its hook
+    model: ModelBroker | None = None  # the run's model credential (sentinel, session CA)
     details: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -269,6 +274,7 @@ class DispatchService:
         *,
         inherit_host: bool,
         ca_env: Mapping[str, str] | None = None,
+        brokered: Mapping[str, str] | None = None,
     ) -> dict[str, str]:
         """The agent process's environment.
 
@@ -276,7 +282,9 @@ class DispatchService:
         config directory, the CA-bundle variables `ca_env`, the operator's model endpoint and the
         grant's variables; the proxy variables are added by the native plan where egress
         applies. `inherit_host` is the one exception the reference page names: Claude Code
-        through NoSandboxAdapter inherits the host environment.
+        through NoSandboxAdapter inherits the host environment. `brokered` comes last and
+        unchecked: the model broker's sentinel key (worthless outside this run's proxy, so no
+        secret) and its CA bundle.
 
         Raises:
             EnvRefused: (`operator` set) an addition carries the value of a secret-like variable
@@ -295,7 +303,7 @@ class DispatchService:
         if inherit_host:
             return {**self.environ, **add}
         try:
-            return sanitized_env(self.environ, add=add)
+            return {**sanitized_env(self.environ, add=add), **(brokered or {})}
         except EnvRefused as exc:
             # Nothing here came from the caller: the server's configuration is what to fix.
             raise EnvRefused(
@@ -388,6 +396,7 @@ class DispatchService:
             )
         run_id = f"run-{secrets.token_hex(8)}"
         notices: NoticeFile | None = None
+        model: ModelBroker | None = None
         state_dir = os.path.join(self.config.state_base, run_id)
         os.mkdir(state_dir, 0o700)
         caps = capabilities or AgentCapabilities.safe_default()
@@ -406,13 +415,23 @@ class DispatchService:
             ca_env, ca_binds = self.ca_bundle_binds()
             spec = make_spec(extra_binds=(*grant.bind_mounts, *ca_binds))
             self._check_private(spec)
+            egress = self.config.operator_egress
+            if self.config.model_credentials is not None and agent is not AgentKind.HARNESS:
+                model = ModelBroker(self.config.model_credentials, state_dir, environ=ca_env)
+                egress = dataclasses.replace(egress, intercept=model.handler)
             # Seam 1 goes through the SandboxPort the manager picks; the manager keeps the handle
             # so a server shutdown destroys it with the rest.
             handle = self.manager.launch(
                 spec,
                 deny_create_globs=STANDARD_DENY_CREATE_GLOBS,
-                operator_egress=self.config.operator_egress,
+                operator_egress=egress,
             )
+            if model is not None and handle.backend is SandboxBackend.NONE:
+                # No proxy to swap the sentinel in: the agent gets no model key at all.
+                log.warning("dispatch: run %s has no sandbox; its model key is not brokered",
+                            run_id)
+                model.revoke()
+                model = None
             self.broker.admit(run_id, handle.sandbox_peers)  # its sandbox asks, nothing else
             violations = ViolationLog(run_id, spec.session_id,
                                       conversation_id=worktree.conversation_id)
@@ -435,7 +454,8 @@ class DispatchService:
                     with open(os.path.join(state_dir, ".claude", "settings.json"), "x") as f:
                         json.dump(notice_hook_settings(state_dir), f)
             inherit = agent is AgentKind.CLAUDE and handle.backend is SandboxBackend.NONE
-            env = self.agent_env(state_dir, grant, inherit_host=inherit, ca_env=ca_env)
+            env = self.agent_env(state_dir, grant, inherit_host=inherit, ca_env=ca_env,
+                                 brokered=model.env if model is not None else None)
             harness_env = self.agent_env(state_dir, grant, inherit_host=False, ca_env=ca_env)
             run = DispatchRun(
                 run_id=run_id,
@@ -454,8 +474,11 @@ class DispatchService:
                 server_environ=self.environ,
                 agent_prefix=self.agent_prefix(handle.backend),
                 notices=notices,
+                model=model,
             )
         except BaseException:
+            if model is not None:
+                model.revoke()
             if notices is not None:
                 notices.close()
             await self._release(run_id, state_dir)
@@ -485,6 +508,8 @@ class DispatchService:
         run = self.runs.pop(run_id, None)
         if run is None:
             return False
+        if run.model is not None:
+            run.model.revoke()  # first: nothing can use the key while the rest goes down
         try:
             if run.acp is not None:
                 await run.acp.aclose()

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import ipaddress
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from cc_server.egress.addresses import IPAddress
 from cc_server.egress.patterns import (
@@ -39,6 +39,9 @@ from cc_server.egress.patterns import (
     parse_host,
 )
 from cc_server.errors import BadSpec
+
+if TYPE_CHECKING:
+    from cc_server.egress.driver import TunnelHandler
 
 __all__ = [
     "ALLOW_ENV",
@@ -70,6 +73,9 @@ class OperatorEgress:
     """Its port (the scheme's default when the URL names none)."""
     rules: tuple[AllowlistRule, ...] = ()
     """What extends the baseline: the operator's entries, then the model endpoint's."""
+    intercept: Callable[[str, int], TunnelHandler | None] | None = None
+    """One run's: the handler of its tunnels to the model API (`dispatch.model_credentials`),
+    set per run by the dispatch service (`ProxyParams.intercept`)."""
 
     @classmethod
     def build(

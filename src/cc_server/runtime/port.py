@@ -105,6 +105,7 @@ def _launch(
             allowlist=allowlist,
             suggest=suggest,
             advice=operator_egress.advice if operator_egress is not None else None,
+            intercept=operator_egress.intercept if operator_egress is not None else None,
             on_violation=handle.record_violation,
             on_change=handle.record_egress_change,
             on_request=handle.record_egress_request,

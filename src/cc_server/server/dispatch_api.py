@@ -26,7 +26,10 @@ of each agent program), `CC_SERVER_DISPATCH_DIR` (worktrees and run state; by de
 (the credential broker's GitHub token). The dispatch egress is the operator's too
 (`egress.operator`): `cc-server serve --dispatch-allow-domain PATTERN` and
 `CC_SERVER_DISPATCH_ALLOW_DOMAINS` extend every run's baseline allowlist, and the agents' model
-endpoint `ANTHROPIC_BASE_URL` is passed to every agent and allowed on its port.
+endpoint `ANTHROPIC_BASE_URL` is passed to every agent and allowed on its port. The agents' model
+key is brokered per run (`dispatch.model_credentials`): `CC_SERVER_MODEL_KEY_FILE` (the key,
+read once at boot; the agents get a sentinel that the session's proxy swaps for it on the model
+host only) and `CC_SERVER_MODEL_CA_FILE` (a CA to trust for that host's certificate).
 
 A problem of the server's own configuration that only shows at dispatch (its environment would
 put a secret-like variable's value into the run's) answers 409 with the variable and the fix,
@@ -52,6 +55,7 @@ from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.credentials import CredentialBroker, remove_stale_grant_dirs
 from cc_server.dispatch.env import EnvRefused
 from cc_server.dispatch.guardrails import ActionRefused
+from cc_server.dispatch.model_credentials import ModelCredentials
 from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
 from cc_server.dispatch.tools import FileTools
 from cc_server.dispatch.violations import RunViolation
@@ -185,10 +189,12 @@ def config_from_env(
         *(_default_agent_dirs(acp_argv) if acp_argv else []),
     ]
     token_file = environ.get("CC_SERVER_GITHUB_TOKEN_FILE") or None
+    egress = OperatorEgress.build(allow_domains, environ)
     config = DispatchConfig(
         state_base=os.path.join(base, "runs"), claude_path=claude, acp_agent=acp_argv,
         agent_dirs=tuple(dict.fromkeys(os.path.realpath(d) for d in agent_dirs)),
-        operator_egress=OperatorEgress.build(allow_domains, environ),
+        operator_egress=egress,
+        model_credentials=ModelCredentials.from_env(environ, egress),
     )
     return config, os.path.join(base, "worktrees"), token_file
 
@@ -206,7 +212,9 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
         BackendUnavailable: no way to make worktrees here.
     """
     config, worktree_dir, token_file = config_from_env(environ, allow_domains)
-    config = dataclasses.replace(config, server_private=tuple(server_private))
+    creds = config.model_credentials
+    private = (*server_private, *([creds.key_file] if creds is not None else []))
+    config = dataclasses.replace(config, server_private=private)
     remove_stale_grant_dirs(egress_base_dir())
     os.makedirs(os.path.dirname(worktree_dir), mode=0o700, exist_ok=True)
     worktrees = WorktreeManager(base=worktree_dir)  # re-mounts the overlays a killed server left
@@ -223,6 +231,9 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
     if worktrees.choice is not None:
         log_event("dispatch", worktrees.choice.describe(), strategy=str(worktrees.strategy))
     egress = config.operator_egress
+    if creds is not None:
+        log_event("dispatch", f"dispatch model key brokered per run for {creds.host}:"
+                  f"{creds.port} (the agents get a sentinel)", modelKeyFile=creds.key_file)
     if egress.rules:
         log_event("dispatch", "dispatch egress: the baseline plus "
                   + ", ".join(str(rule) for rule in egress.rules),
