@@ -35,8 +35,9 @@ __all__ = [
     "settings_keys",
 ]
 
-# Options of `run` and `plan` a file does not hold: the file itself, and how output is shaped.
-SETTINGS_NOT_KEYS: Final = frozenset({"help", "settings", "events", "json", "platform"})
+# Options of `run` and `plan` a file does not hold: the file itself, how output is shaped, and
+# `--ask` (it reads the terminal, so only a command line that shows it may ask for it).
+SETTINGS_NOT_KEYS: Final = frozenset({"help", "settings", "events", "json", "platform", "ask"})
 # Keys whose strings are host paths: `~` expanded, relative to the file's directory.
 PATH_KEYS: Final = frozenset({"protect", "runner-state", "workdir", "spec"})
 MAX_SETTINGS_BYTES: Final = 1 << 20  # a settings file is a page of text, never a data file
@@ -115,7 +116,7 @@ def _unknown(path: str, key: str, keys: Mapping[str, argparse.Action]) -> BadSpe
 def _value(path: str, key: str, value: object, action: argparse.Action, base: str) -> Any:
     """One key's value parsed as its flag would parse it."""
     where = f"settings file {path!r}: {key}"
-    if isinstance(action, argparse.BooleanOptionalAction):
+    if isinstance(action, argparse.BooleanOptionalAction | argparse._StoreConstAction):
         if not isinstance(value, bool):
             raise BadSpec(f"{where} must be true or false, got {value!r}")
         return value
@@ -164,7 +165,7 @@ def apply_settings(args: argparse.Namespace, layers: Sequence[Settings],
         if isinstance(action, argparse._AppendAction):
             merged = [v for layer in layers for v in layer.values.get(name, ())]
             setattr(args, action.dest, merged + list(given or ()))
-        elif given is None:
+        elif given is None or given == action.default:  # a flag not given
             for layer in layers:
                 if name in layer.values:
                     given = layer.values[name]
@@ -178,7 +179,7 @@ def merged_settings(args: argparse.Namespace,
     out: dict[str, Any] = {}
     for name, action in sorted(keys.items()):
         value = getattr(args, action.dest)
-        if value is None or value == []:
+        if value is None or value == [] or (value is False and action.default is False):
             continue
         if isinstance(value, list):
             out[name] = [_unparse(name, v) for v in value]
