@@ -9,8 +9,12 @@
 2. the credential broker's grant (only what the capabilities allow) adds its binds and variables;
    the server's CA-bundle variables (`SSL_CERT_FILE`, ...) pass with their files bound read-only
    (`ca_bundle_binds`), and the operator's model endpoint (`ANTHROPIC_BASE_URL`) passes too;
-3. the sandbox is launched with the standard create-time globs (`.env`, `*.key`, `*.pem`) and the
-   operator's egress (`egress.operator`: the baseline's extension, the refusal advice):
+3. an agent run with the operator's model key gets its `ModelBroker` (`dispatch.model_credentials`:
+   a sentinel key and the session's CA in the agent's environment, the real key swapped in by the
+   session's proxy on the model host only);
+   the sandbox is launched with the standard create-time globs (`.env`, `*.key`, `*.pem`) and the
+   operator's egress (`egress.operator`: the baseline's extension, the refusal advice, the
+   broker's tunnel handler):
    `native` when the boot probe found a backend and `--sandbox` is on, else `none`. Linux native
    without create-time rules refuses here (BackendUnavailable), and that is what the client sees;
 4. the guardrail chain of the compiled policy is built, and the agent's own launch passes it as a
@@ -18,8 +22,12 @@
 5. the seam starts: Claude Code (`dispatch.claude`) or an ACP agent (`dispatch.acp`); the harness
    bash tool and the in-process file tools are ready for every run.
 
-`close_run` tears it down in reverse: agent, terminals, sandbox (its proxies), the grant
-(revoked), the state directory. Nothing of the run is left.
+Every refusal of the run is a violation of its `ViolationLog` (`dispatch.violations`): kept,
+audited once, and told to the agent's model (the notice file of an agent run).
+
+`close_run` revokes the model broker first, then tears the rest down in reverse: agent,
+terminals, sandbox (its proxies), the grant (revoked), the state directory. Nothing of the run is
+left.
 """
 
 from __future__ import annotations
