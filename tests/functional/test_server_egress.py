@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from dispatch_kit import make_repo
 from egress_kit import serve_ok_on_loopback
 from server_kit import Server, running_server
 
@@ -179,3 +180,43 @@ async def test_an_answer_to_no_request_is_404(
     finally:
         async with client.delete(f"/v1/sandboxes/{sid}"):
             pass
+
+
+async def test_a_dispatch_runs_egress_changes_through_the_dispatch_api(
+    tmp_path: pathlib.Path, upstream_port: int
+) -> None:
+    repo = make_repo(tmp_path / "repo")
+    env = {"CC_SERVER_DISPATCH_DIR": str(tmp_path / "dispatch")}
+    entry = f"127.0.0.1:{upstream_port}"
+    command = {"command": f"curl -sS -m 10 -o /dev/null -w %{{http_code}} --noproxy '' "
+                          f"http://{entry}/"}
+    with running_server(tmp_path / "srv", env=env) as server:
+        async with server.client(timeout=aiohttp.ClientTimeout(total=60)) as http_client:
+            await http_client.post("/v1/repos", json={"repoId": "r", "path": str(repo)})
+            wt = await (await http_client.post("/v1/worktrees", json={
+                "repoId": "r", "conversationId": "c1"})).json()
+            resp = await http_client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
+            assert resp.status == 201, await resp.text()
+            run_id = (await resp.json())["runId"]
+            egress, bash = f"/v1/dispatches/{run_id}/egress", f"/v1/dispatches/{run_id}/bash"
+            try:
+                refused = await (await http_client.post(bash, json=command)).json()
+                assert refused["stdout"] == "403", refused
+                async with http_client.patch(egress, json={"allow": [entry]}) as answer:
+                    view = await answer.json()
+                    assert answer.status == 200, view
+                assert view["change"] == {"added": [entry], "removed": [], "by": "dispatch"}
+                allowed = await (await http_client.post(bash, json=command)).json()
+                assert allowed["stdout"] == "200", allowed
+                async with http_client.patch(egress, json={"remove": [entry]}) as answer:
+                    assert answer.status == 200
+                again = await (await http_client.post(bash, json=command)).json()
+                assert again["stdout"] == "403", again
+                async with http_client.patch(egress, json={"allow": ["x:0"]}) as answer:
+                    assert answer.status == 400
+                async with http_client.get("/v1/dispatches/nope/egress") as answer:
+                    assert answer.status == 404
+            finally:
+                await http_client.delete(f"/v1/dispatches/{run_id}")
+        logged = [e for e in server.log() if e.get("event") == "sandbox.egress"]
+        assert [(e.get("by"), e.get("runId")) for e in logged] == [("dispatch", run_id)] * 2

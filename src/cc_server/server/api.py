@@ -22,13 +22,13 @@ from typing import Any, Final, NoReturn
 import msgspec
 from aiohttp import WSMsgType, web
 
-from cc_server.egress.changes import EgressChange
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
 from cc_server.policy.spec import check_absolute
 from cc_server.runtime.events import EventType, SandboxEvent
 from cc_server.runtime.handle import Execution, SandboxHandle
+from cc_server.server.egress_api import answer_request, change_egress, egress_view
 from cc_server.server.exec_result import send_exec_result
 from cc_server.server.logs import log_event
 from cc_server.server.models import (
@@ -222,43 +222,25 @@ async def kill_commands(request: web.Request) -> web.StreamResponse:
     return web.json_response({"killed": len(executions)})
 
 
-def _egress_view(handle: SandboxHandle) -> dict[str, Any]:
-    egress = handle.egress
-    if egress is None:
-        raise _Refused(409, "Conflict",
-                       f"sandbox {handle.session_id!r} has no egress proxies (backend "
-                       f"{handle.backend}): its network is not decided per connection",
-                       "create the sandbox with the native or microvm backend")
-    return {"entries": list(egress.entries),
-            "denied": [rule.entry for rule in egress.allowlist.denied],
-            "asking": egress.asking,
-            "requests": [request.to_json() for request in egress.pending_requests]}
-
-
 @routes.get("/v1/sandboxes/{id}/egress")
 async def get_egress(request: web.Request) -> web.StreamResponse:
-    """The sandbox's allowlist and deny list now."""
-    return web.json_response(_egress_view(_handle(_state(request), request.match_info["id"])))
+    """The sandbox's allowlist and deny list now, and the requests waiting for an answer."""
+    handle = _handle(_state(request), request.match_info["id"])
+    try:
+        return web.json_response(egress_view(handle))
+    except CcServerError as exc:
+        _refuse_error(exc)
 
 
 @routes.patch("/v1/sandboxes/{id}/egress")
-async def change_egress(request: web.Request) -> web.StreamResponse:
+async def patch_egress(request: web.Request) -> web.StreamResponse:
     """Remove, then add, allowlist entries; effective for the sandbox's next connection."""
     handle = _handle(_state(request), request.match_info["id"])
     req: EgressChangeRequest = _decode(await request.read(), EgressChangeRequest)
-    _egress_view(handle)  # 409 without egress
-    assert handle.egress is not None
     try:
-        change = handle.egress.change(
-            EgressChange(allow=tuple(req.allow), remove=tuple(req.remove)), by="api"
-        )
+        return web.json_response(change_egress(handle, req.allow, req.remove, by="api"))
     except CcServerError as exc:
         _refuse_error(exc)
-    if change.added or change.removed:
-        log_event("sandbox.egress", f"sandbox {handle.session_id} egress changed",
-                  sessionId=handle.session_id, added=list(change.added),
-                  removed=list(change.removed))
-    return web.json_response({**_egress_view(handle), "change": change.to_json()})
 
 
 @routes.post("/v1/sandboxes/{id}/egress/requests/{request}")
@@ -266,15 +248,13 @@ async def answer_egress_request(request: web.Request) -> web.StreamResponse:
     """Answer a held connection: once, session (adds its host:port) or deny."""
     handle = _handle(_state(request), request.match_info["id"])
     req: EgressAnswerRequest = _decode(await request.read(), EgressAnswerRequest)
-    _egress_view(handle)  # 409 without egress
-    assert handle.egress is not None
     try:
-        answered = handle.egress.answer(request.match_info["request"], req.answer)
-    except BadSpec as exc:
+        return web.json_response(answer_request(handle, request.match_info["request"],
+                                                req.answer))
+    except BadSpec as exc:  # no such request waits: the id names nothing (any more)
         raise _Refused(404, "NotFound", exc.message, exc.fix) from None
-    log_event("sandbox.egress-answer", f"sandbox {handle.session_id} egress request answered",
-              sessionId=handle.session_id, entry=answered.entry, answer=req.answer)
-    return web.json_response(answered.to_json())
+    except CcServerError as exc:
+        _refuse_error(exc)
 
 
 def _vm(request: web.Request) -> MicroVMHandle:

@@ -66,7 +66,9 @@ from cc_server.policy import AgentCapabilities, Mode
 from cc_server.runtime.egress import egress_base_dir
 from cc_server.runtime.port import SandboxManager
 from cc_server.server.api import error_response, status_for
+from cc_server.server.egress_api import change_egress, egress_view
 from cc_server.server.logs import log_event
+from cc_server.server.models import EgressChangeRequest
 
 __all__ = [
     "DISPATCH",
@@ -449,6 +451,23 @@ async def close_dispatch(request: web.Request) -> web.StreamResponse:
     return web.Response(status=204)
 
 
+@routes.get("/v1/dispatches/{id}/egress")
+@_handler
+async def get_dispatch_egress(request: web.Request) -> web.StreamResponse:
+    """The run's egress allowlist now (server/egress_api.py)."""
+    return web.json_response(egress_view(_run(request).handle))
+
+
+@routes.patch("/v1/dispatches/{id}/egress")
+@_handler
+async def patch_dispatch_egress(request: web.Request) -> web.StreamResponse:
+    """Remove, then add, entries of the run's allowlist, for its next connection."""
+    run = _run(request)
+    body: EgressChangeRequest = await _body(request, EgressChangeRequest)
+    return web.json_response(change_egress(run.handle, body.allow, body.remove, by="dispatch",
+                                           runId=request.match_info["id"]))
+
+
 @routes.post("/v1/dispatches/{id}/claude")
 @_handler
 async def claude(request: web.Request) -> web.StreamResponse:
@@ -592,6 +611,16 @@ def openapi_paths(ref: Any) -> dict[str, Any]:
             "get": {"summary": "One run", "responses": answer("the run", 200, 401, 404)},
             "delete": {"summary": "Tear a run down: agent, sandbox, proxies, credentials, state",
                        "responses": {"204": {"description": "closed, or was not live"}}},
+        },
+        "/v1/dispatches/{id}/egress": {
+            "parameters": [run_id],
+            "get": {"summary": "The run's egress allowlist and deny list now",
+                    "responses": answer("the allowlist (EgressView)", 200, 401, 404, 409)},
+            "patch": {"summary": "Remove, then add, allowlist entries (host[:port]) for the "
+                                 "run's next connection; an egress-changed event, a log line",
+                      "requestBody": body(EgressChangeRequest),
+                      "responses": answer("the allowlist after it (EgressView)",
+                                          200, 400, 401, 404, 409)},
         },
         "/v1/dispatches/{id}/claude": {
             "parameters": [run_id],
