@@ -166,3 +166,29 @@ def test_ask_needs_a_terminal(env: dict[str, str]) -> None:
         timeout=DEADLINE_S, check=False,
     )  # fmt: skip
     assert result.returncode == 2 and "--ask asks on the terminal" in result.stderr, result
+
+
+def test_a_command_cannot_answer_its_own_question(env: dict[str, str], upstream_port: int) -> None:
+    # It shares the terminal: typing "s" into it (TIOCSTI) would approve its own request. The
+    # sandbox has no controlling terminal and its seccomp filter refuses TIOCSTI.
+    inject = ("import fcntl, termios\n"
+              "try:\n"
+              "    [fcntl.ioctl(0, termios.TIOCSTI, bytes([c])) for c in b's\\n']\n"
+              "    print('injected', flush=True)\n"
+              "except OSError as exc:\n"
+              "    print('injection refused', exc.errno, flush=True)\n")
+    url = f"http://localhost:{upstream_port}/"
+    term = Terminal(
+        [sys.executable, "-m", "cc_server.cli", "run", "--ask", "--allow-domain", "127.0.0.1",
+         "--allow-domain", "::1", "--env", f"INJECT={inject}", "--", "sh", "-c",
+         f"/usr/bin/python3 -c \"$INJECT\"; {CURL} {url}"],
+        env, cwd_beside(env),
+    )  # fmt: skip
+    try:
+        at = term.expect("injection refused")
+        at = term.expect("[d]eny?", at)
+        term.type("d\n")
+        term.expect("403", at)
+        assert "injected" not in term.text and ": session" not in term.text, term.text
+    finally:
+        term.close()
