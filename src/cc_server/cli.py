@@ -50,6 +50,7 @@ PLAN_MACOS_TEMP_DIR = "/var/folders/<per-user>/T"
 # macOS resolves these top-level names into /private (what the kernel matches rules against).
 MACOS_PRIVATE_LINKS = ("/tmp", "/var", "/etc")
 EXIT_USAGE = 2
+STDIN_CHUNK_BYTES = 64 * 1024  # one read of the caller's stdin for a microVM command
 EXIT_REFUSED = 125  # like `env`/`timeout`: the command itself never ran
 
 
@@ -403,6 +404,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
     # Lazy imports: only the streaming path pays for the runtime and its event loop.
+    import asyncio
+
     from cc_server.cli_ask import open_asking
     from cc_server.runtime.events import EventType
     from cc_server.runtime.port import SandboxManager
@@ -417,8 +420,12 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
     live = print_live(handle, sys.stderr)  # each violation on stderr as it happens
     try:
         execution = handle.exec(command_argv(args), env=command_env(args),
-                                inherit_stdio=not stream and not relay, timeout_s=args.timeout)
-        async with open_asking(args.ask, handle, sys.stderr) as prompter, execution:
+                                inherit_stdio=not stream and not relay, interactive_stdin=relay,
+                                timeout_s=args.timeout)
+        async with (open_asking(args.ask, handle, sys.stderr) as prompter, execution,
+                    asyncio.TaskGroup() as tg):
+            stdin = tg.create_task(pump_stdin(execution, sys.stdin.fileno()), name="stdin") \
+                if relay else None
             async for event in execution:
                 if prompter is not None and event.request is not None:
                     prompter.offer(event.request)
@@ -429,6 +436,8 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
                     print(f"cc-server: command killed ({event.reason})", file=sys.stderr)
                 elif relay:
                     await write_output(event, sys.stdout.fileno(), sys.stderr.fileno())
+            if stdin is not None:
+                stdin.cancel()
         live.rest(handle)
         return await execution.wait()
     finally:
@@ -453,10 +462,51 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
-async def copy_output(execution: Execution, stdout_fd: int, stderr_fd: int) -> None:
-    """Relay every output event of `execution` (see write_output) until it ends."""
-    async for event in execution:
-        await write_output(event, stdout_fd, stderr_fd)
+async def relay_stdio(execution: Execution, stdio: tuple[int, int, int]) -> None:
+    """A microVM command's stdio through these descriptors: stdin pumped in (pump_stdin), every
+    output event written out (write_output), until the command ends."""
+    import asyncio
+
+    async with asyncio.TaskGroup() as tg:
+        stdin = tg.create_task(pump_stdin(execution, stdio[0]), name="stdin")
+        async for event in execution:
+            await write_output(event, stdio[1], stdio[2])
+        stdin.cancel()
+
+
+async def pump_stdin(execution: Execution, fd: int) -> None:
+    """The caller's stdin to the command until its EOF, then EOF to the command. A pipe or
+    terminal is read when readable (the descriptor is shared, so it is never set non-blocking);
+    a regular file or /dev/null, which the loop cannot watch, never blocks a read."""
+    import asyncio
+
+    from cc_server.errors import CcServerError
+
+    loop = asyncio.get_running_loop()
+    readable = asyncio.Event()
+    try:
+        loop.add_reader(fd, readable.set)
+        watched = True
+    except (OSError, ValueError):
+        watched = False
+    try:
+        while True:
+            if watched:
+                await readable.wait()
+                readable.clear()
+            try:
+                data = os.read(fd, STDIN_CHUNK_BYTES)
+            except BlockingIOError:
+                continue
+            if not data:
+                break
+            await execution.write_stdin(data)
+        execution.close_stdin()
+    except (CcServerError, OSError):
+        return  # the command is gone, or stdin closed: nothing more to pass on
+    finally:
+        if watched:
+            loop.remove_reader(fd)
 
 
 async def probe_microvm_runtime(progress_to: TextIO) -> MicroVMRuntime:

@@ -157,13 +157,14 @@ class _Daemon:
                 relay = requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
                 execution = handle.exec(
                     cli.command_argv(args), env=cli.command_env(args, environ),
-                    inherit_stdio=False if relay else stdio, timeout_s=args.timeout,
+                    inherit_stdio=False if relay else stdio, interactive_stdin=relay,
+                    timeout_s=args.timeout,
                 )
                 async with execution:
                     watcher = asyncio.create_task(_watch_client(client, execution))
                     try:
                         if relay:
-                            await cli.copy_output(execution, stdio[1], stdio[2])
+                            await cli.relay_stdio(execution, stdio)
                         code = await execution.wait()
                     finally:
                         watcher.cancel()

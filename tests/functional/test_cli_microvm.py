@@ -134,3 +134,19 @@ def test_plan_backend_microvm_shows_the_guest_mounts_and_boots_nothing(
     assert plan["guestMounts"][1]["op"] == "ro_bind"  # the protected path, carved read-only
     assert not marker.exists()
     assert not list(cache.glob("template-*"))  # nothing was booted
+
+
+@pytest.mark.parametrize("daemon", ["on", "off"])
+def test_run_backend_microvm_passes_stdin_to_the_guest(
+    env: dict[str, str], tmp_path: pathlib.Path, daemon: str
+) -> None:
+    project = tmp_path / "project"
+    project.mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "cc_server.cli_client", "run", "--backend", "microvm", "--",
+         "sh", "-c", "tr a-z A-Z; echo end"],
+        env={**env, "CC_SERVER_DAEMON": daemon}, cwd=project, input="piped in\n" * 2000,
+        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "PIPED IN\n" * 2000 + "end\n"  # every byte, then EOF
