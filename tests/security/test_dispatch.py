@@ -264,3 +264,31 @@ async def test_a_dispatch_run_cannot_plant_a_host_run_file_in_its_worktree(
         assert not (tree / ".vscode").exists() and (tree / "fine.txt").exists()
         refused = [v for v in run.handle.violations if v.action == "file-write-create"]
         assert len(refused) == 3, refused
+
+
+@pytest.mark.parametrize("plant", [
+    "ln -s {victim} cc-server-notices",
+    "mkfifo cc-server-notices",
+    "echo '{{}}' > mine.json && ln mine.json cc-server-notices",
+], ids=["symlink", "fifo", "hard-link"])
+async def test_the_server_never_writes_a_notice_through_what_the_agent_planted(
+    tmp_path: pathlib.Path, probe_result: ProbeResult, plant: str
+) -> None:
+    """The notice file is in the run's state directory, which the agent can write: a symlink
+    there to a host file, a FIFO, or a second name of another file is never written through,
+    and the server does not block."""
+    victim = tmp_path / "host-file.txt"  # outside every bind: the agent names it blind
+    victim.write_text("host content\n")
+    async with open_dispatch(tmp_path, probe_result) as d:
+        wt = d.worktrees.create("r", "c1")
+        run = await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.CLAUDE)
+        assert run.notices is not None
+        planted = await run.harness.run(f'cd "$HOME" && {plant.format(victim=victim)}; ls -l')
+        assert "cc-server-notices" in planted.stdout, planted
+        refused = await run.harness.run("echo x > .env")
+        assert [v.action for v in refused.violations] == ["file-write-create"], refused
+        assert run.violations.total == 1
+        assert victim.read_text() == "host content\n"
+        notices = pathlib.Path(run.state_dir, "cc-server-notices")
+        if notices.is_file() and not notices.is_symlink():
+            assert "blocked by sandbox policy" not in notices.read_text()
