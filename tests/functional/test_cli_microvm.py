@@ -57,11 +57,14 @@ def env(tmp_path: pathlib.Path, cache: pathlib.Path) -> Iterator[dict[str, str]]
         shutil.rmtree(runtime, ignore_errors=True)
 
 
-def run(*args: str, env: dict[str, str], cwd: pathlib.Path) -> subprocess.CompletedProcess[str]:
+def run(*args: str, env: dict[str, str], cwd: pathlib.Path, verb: str = "run",
+        stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`cc-server VERB ARGS` (run through the thin client, as the console script does)."""
+    entry = "cc_server.cli_client" if verb == "run" else "cc_server.cli"
     return subprocess.run(
-        [sys.executable, "-m", "cc_server.cli_client", "run", *args], env=env, cwd=cwd,
-        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=CLI_TIMEOUT_S,
-        check=False,
+        [sys.executable, "-m", entry, verb, *args], env=env, cwd=cwd, input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None, capture_output=True, text=True,
+        timeout=CLI_TIMEOUT_S, check=False,
     )  # fmt: skip
 
 
@@ -106,7 +109,7 @@ def test_run_backend_microvm_without_qemu_names_the_package(
     empty = tmp_path / "bin"
     empty.mkdir()
     marker = tmp_path / "ran"
-    proc = run("--backend", "microvm", "--", "touch", marker,
+    proc = run("--backend", "microvm", "--", "touch", str(marker),
                env={**env, "PATH": str(empty), "CC_SERVER_DAEMON": daemon}, cwd=empty)
     assert proc.returncode == 125, proc.stderr
     assert "BackendUnavailable" in proc.stderr and "is not installed" in proc.stderr
@@ -120,11 +123,9 @@ def test_plan_backend_microvm_shows_the_guest_mounts_and_boots_nothing(
     project = tmp_path / "project"
     (project / "ref").mkdir(parents=True)
     marker = project / "ran"
-    proc = subprocess.run(
-        [sys.executable, "-m", "cc_server.cli", "plan", "--json", "--backend", "microvm",
-         "--bind", str(project), "--protect", str(project / "ref"), "--", "touch", str(marker)],
-        env=env, cwd=project, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False,
-    )  # fmt: skip
+    proc = run("--json", "--backend", "microvm", "--bind", str(project), "--protect",
+               str(project / "ref"), "--", "touch", str(marker), env=env, cwd=project,
+               verb="plan")
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     assert plan["backend"] == "microvm" and plan["argv"] == ["touch", str(marker)]
@@ -142,11 +143,7 @@ def test_run_backend_microvm_passes_stdin_to_the_guest(
 ) -> None:
     project = tmp_path / "project"
     project.mkdir()
-    proc = subprocess.run(
-        [sys.executable, "-m", "cc_server.cli_client", "run", "--backend", "microvm", "--",
-         "sh", "-c", "tr a-z A-Z; echo end"],
-        env={**env, "CC_SERVER_DAEMON": daemon}, cwd=project, input="piped in\n" * 2000,
-        capture_output=True, text=True, timeout=CLI_TIMEOUT_S, check=False,
-    )  # fmt: skip
+    proc = run("--backend", "microvm", "--", "sh", "-c", "tr a-z A-Z; echo end",
+               env={**env, "CC_SERVER_DAEMON": daemon}, cwd=project, stdin="piped in\n" * 2000)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "PIPED IN\n" * 2000 + "end\n"  # every byte, then EOF
