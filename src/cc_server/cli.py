@@ -129,7 +129,7 @@ examples:
   cc-server run -- make test                 the current directory, writable, is the workdir
   cc-server run --home dotfiles -- git commit -m wip
                                              ~/.gitconfig visible read-only: git knows you
-  cc-server run --bind ~/src/app --bind ~/data:/data:ro -- ./app/run.sh
+  cc-server run --bind ~/src/app --bind ~/data:ro -- ./run.sh    ~/data read-only
   cc-server run --mode review --no-network -- pytest
                                              every bind read-only, no network at all
   cc-server run --allow-domain pypi.org --allow-domain '*.pythonhosted.org' -- pip install x
