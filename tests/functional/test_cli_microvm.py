@@ -147,3 +147,14 @@ def test_run_backend_microvm_passes_stdin_to_the_guest(
                env={**env, "CC_SERVER_DAEMON": daemon}, cwd=project, stdin="piped in\n" * 2000)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == "PIPED IN\n" * 2000 + "end\n"  # every byte, then EOF
+
+
+def test_plan_backend_microvm_maps_the_cwd_through_a_guest_path(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    proc = run("--json", "--backend", "microvm", "--bind", f"{project}:/work", "--", "pwd",
+               env=env, cwd=project / "src", verb="plan")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["cwd"] == "/work/src"  # where the guest sees the cwd
