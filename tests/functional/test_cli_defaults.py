@@ -104,6 +104,17 @@ def test_an_explicit_bind_replaces_the_cwd_default(
     assert bare.returncode != 0 and "No such file" in bare.stderr, bare.stderr
 
 
+def test_backend_none_runs_in_the_cwd_and_binds_nothing(
+    env: dict[str, str], project: pathlib.Path
+) -> None:
+    # On the host there is nothing to bind; the cwd is still where the command runs (the
+    # daemon's own is /), and $HOME is no refusal.
+    proc = cli("run", "--backend", "none", "--", "pwd", env=env, cwd=project)
+    assert proc.returncode == 0 and proc.stdout == f"{project}\n", proc.stderr
+    home = cli("run", "--backend", "none", "--", "true", env=env, cwd=pathlib.Path(env["HOME"]))
+    assert home.returncode == 0, home.stderr
+
+
 @pytest.mark.parametrize("where", ["home", "root", "above home"])
 def test_the_cwd_default_is_refused_in_home_and_root(
     env: dict[str, str], where: str
