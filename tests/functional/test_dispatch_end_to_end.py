@@ -118,6 +118,8 @@ async def test_a_model_driven_run_is_refused_reported_and_never_sees_the_key(
     }
     if agent == "claude":
         expected[2] = ("file-write-create", f"{worktree}/server.pem")
+        # Refused by the run's write-scope hook: it would have vanished in the sandbox's tmpfs.
+        expected[3] = ("file-write", outside)
     else:  # the policy rejects the permission; nothing is attempted
         expected[2] = ("permission-edit", f"{worktree}/server.pem")
         expected[3] = ("permission-edit", outside)

@@ -13,25 +13,26 @@ refusal is a `network-outbound` violation. Through `none` it inherits the host e
 the reference page says, and nothing stands between it and the host.
 
 What the sandbox refuses while the CLI runs reaches its model: every invocation gets
-`--settings` with a `PostToolUse` / `PostToolUseFailure` hook (`violations.notice_hook_settings`)
-that, after each tool call, moves the run's notice file (`violations.NoticeFile`, filled by the
-server as the refusals are reported) away and prints its "blocked by sandbox policy" lines as
-the hook's additional context, which Claude Code hands to the model after the tool's result.
-The hook runs inside the sandbox like the tool itself; an agent that tampers with it only loses
-its own notices.
+`--settings` with the run's hooks (`dispatch.agent_hooks`): after each tool call the notices of
+what the sandbox refused reach the model with the tool's result, and a file tool writing outside
+every writable bind is denied with the reason (it would vanish in the sandbox's tmpfs) and
+reported: the call's result carries it as a `hook` violation, taken from the run's refusal file
+when the CLI exits. The hooks run inside the sandbox like the tools; an agent that tampers with
+them only loses its own notices and reports.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from cc_server.dispatch.agent_hooks import hook_settings, take_refusals
 from cc_server.dispatch.env import sanitized_env
 from cc_server.dispatch.guardrails import Action, ActionKind
 from cc_server.dispatch.harness import BashResult, run_bounded, with_notices
 from cc_server.dispatch.service import AgentKind, DispatchRun
-from cc_server.dispatch.violations import notice_hook_settings
 from cc_server.errors import BadSpec
 
 __all__ = ["CLAUDE_TIMEOUT_S", "run_claude"]
@@ -79,7 +80,8 @@ async def run_claude(
         added = {name: checked[name] for name in env}
     settings: tuple[str, ...] = ()
     if run.notices is not None:
-        hooks = notice_hook_settings(run.state_dir)
+        roots = [m.guest_path for m in run.handle.policy.mounts if m.writable]
+        hooks = hook_settings(run.state_dir, write_roots=roots)
         settings = ("--settings", json.dumps(hooks, separators=(",", ":")))
     result = await run_bounded(
         run.handle,
@@ -90,4 +92,7 @@ async def run_claude(
         timeout_s=timeout_s or CLAUDE_TIMEOUT_S,
         max_output_bytes=max_output_bytes,
     )
-    return with_notices(result)
+    # The model was told by the hook itself: kept and audited, no second notice.
+    refused = tuple(run.violations.record(v, notify=False) for v in take_refusals(run.state_dir))
+    result = with_notices(result)
+    return dataclasses.replace(result, refusals=refused) if refused else result

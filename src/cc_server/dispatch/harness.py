@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from cc_server.dispatch.guardrails import Action, ActionKind, GuardrailChain
-from cc_server.dispatch.violations import from_sandbox, notice_text
+from cc_server.dispatch.violations import RunViolation, from_sandbox, notice_text
 from cc_server.errors import BadSpec
 from cc_server.policy import Mode
 from cc_server.runtime.events import SandboxViolation
@@ -82,6 +82,7 @@ class BashResult:
     stderr_truncated: bool
     killed: str | None  # "timeout", "manual", ... when the host killed it
     violations: tuple[SandboxViolation, ...]
+    refusals: tuple[RunViolation, ...] = ()  # what the agent runner's hooks refused (claude)
 
     @property
     def timed_out(self) -> bool:
@@ -97,7 +98,8 @@ class BashResult:
             "stderrTruncated": self.stderr_truncated,
             "timedOut": self.timed_out,
             "killed": self.killed,
-            "violations": [from_sandbox(v).to_json() for v in self.violations],
+            "violations": [from_sandbox(v).to_json() for v in self.violations]
+            + [v.to_json() for v in self.refusals],
         }
 
 

@@ -48,6 +48,7 @@ from typing import Any, Final, Protocol
 from cc_server.backends.bubblewrap import SYSTEM_RO_PATHS
 from cc_server.backends.egress_bridge import bridge_env
 from cc_server.backends.peer import PeerRule
+from cc_server.dispatch.agent_hooks import hook_settings
 from cc_server.dispatch.env import EnvRefused, ca_bundle_env, ca_bundle_paths, sanitized_env
 from cc_server.dispatch.guardrails import (
     Action,
@@ -59,7 +60,7 @@ from cc_server.dispatch.guardrails import (
 from cc_server.dispatch.harness import HarnessBash
 from cc_server.dispatch.model_credentials import ModelBroker, ModelCredentials
 from cc_server.dispatch.tools import FileTools
-from cc_server.dispatch.violations import NoticeFile, ViolationLog, notice_hook_settings
+from cc_server.dispatch.violations import NoticeFile, ViolationLog
 from cc_server.dispatch.worktrees import Worktree, WorktreeManager, WorktreeStrategy
 from cc_server.egress.operator import MODEL_URL_ENV, OperatorEgress
 from cc_server.errors import BadSpec
@@ -460,7 +461,7 @@ class DispatchService:
                 violations.listeners.append(notices.append)
                 if agent is AgentKind.ACP:
                     with open(os.path.join(state_dir, ".claude", "settings.json"), "x") as f:
-                        json.dump(notice_hook_settings(state_dir), f)
+                        json.dump(hook_settings(state_dir), f)
             inherit = agent is AgentKind.CLAUDE and handle.backend is SandboxBackend.NONE
             env = self.agent_env(state_dir, grant, inherit_host=inherit, ca_env=ca_env,
                                  brokered=model.env if model is not None else None)

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import shlex
 import stat
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -52,7 +51,6 @@ __all__ = [
     "ViolationSource",
     "from_refusal",
     "from_sandbox",
-    "notice_hook_settings",
     "notice_text",
 ]
 
@@ -63,7 +61,6 @@ MAX_NOTICE_LINES: Final = 8  # notice lines added to one tool output; the rest a
 MAX_TARGET_CHARS: Final = 200  # a target in a notice or a log line (a long command is cut)
 MAX_REASON_CHARS: Final = 300  # a reason in a notice or a log line
 NOTICE_FILE: Final = "cc-server-notices"  # in a run's state directory (see NoticeFile)
-HOOK_EVENTS: Final = ("PostToolUse", "PostToolUseFailure")  # after a tool call, failed or not
 MAX_NOTICE_FILE_BYTES: Final = 64 * 1024  # notices waiting for the hook; past it they are dropped
 
 _MATCHES = re.compile(r"matches ('.*?')\)\s*$")
@@ -74,6 +71,7 @@ class ViolationSource(enum.StrEnum):
     """What refused."""
 
     SANDBOX = "sandbox"  # the create-rule supervisor or the session's proxies
+    HOOK = "hook"  # the agent runner's hook inside the sandbox (`dispatch.agent_hooks`)
     GUARDRAIL = "guardrail"  # the guardrail chain or the in-process file tools
     PERMISSION = "permission"  # an ACP permission request the policy rejected
 
@@ -190,8 +188,9 @@ class ViolationLog:
         self.total = 0
         self.listeners: list[Callable[[RunViolation], None]] = []
 
-    def record(self, violation: RunViolation) -> RunViolation:
-        """Keep, count and audit one violation; returns it."""
+    def record(self, violation: RunViolation, *, notify: bool = True) -> RunViolation:
+        """Keep, count and audit one violation; returns it. `notify`: tell the listeners (not
+        when the agent's model was told already)."""
         self.kept.append(violation)
         self.total += 1
         fields: dict[str, Any] = {
@@ -207,7 +206,7 @@ class ViolationLog:
             "run %s: %s", self.run_id, violation.notice,
             extra={"event": "dispatch.violation", "fields": fields},
         )
-        for listener in list(self.listeners):
+        for listener in list(self.listeners) if notify else []:
             try:
                 listener(violation)
             except Exception:
@@ -286,22 +285,3 @@ class NoticeFile:
             os.close(self._dir_fd)
             self._dir_fd = None
 
-
-def notice_hook_settings(state_dir: str) -> dict[str, Any]:
-    """Claude Code settings with the notice hook after every tool call: it moves the run's
-    notice file away and prints its lines as the hook's `additionalContext`, which Claude Code
-    hands to the model after the tool's result (the file holds them JSON-escaped, one per
-    line: `NoticeFile`). /bin/sh and coreutils are in every sandbox (the system paths)."""
-    notices = shlex.quote(os.path.join(state_dir, NOTICE_FILE))
-
-    def command(event: str) -> str:
-        return (
-            f"f={notices}; [ -s \"$f\" ] || exit 0; t=\"$f.$$\"; "
-            'mv -f "$f" "$t" 2>/dev/null || exit 0; '
-            f"printf '{{\"hookSpecificOutput\":{{\"hookEventName\":\"{event}\","
-            "\"additionalContext\":\"'; tr -d '\\n' < \"$t\"; printf '\"}}'; rm -f \"$t\""
-        )
-
-    hooks = {event: [{"matcher": "*", "hooks": [{"type": "command", "command": command(event)}]}]
-             for event in HOOK_EVENTS}
-    return {"hooks": hooks}
