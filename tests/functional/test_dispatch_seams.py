@@ -162,6 +162,7 @@ async def test_acp_file_requests_are_served_by_the_in_process_tools_and_refused_
             {"op": "write", "path": f"{d.repo}/README.md", "content": "overwrite original"},
             {"op": "read", "path": "../../../../etc/shadow"},
             {"op": "terminal", "command": "echo from-terminal; hostname"},
+            {"op": "terminal", "command": "echo x > .env"},
         ])
         tree = pathlib.Path(run.worktree.path)
         assert results[0] == {"ok": "original readme\n"}
@@ -171,11 +172,21 @@ async def test_acp_file_requests_are_served_by_the_in_process_tools_and_refused_
         for refused in results[2:7]:
             assert refused["error"]["code"] == REFUSED_CODE, refused
         assert results[2]["error"]["data"]["guardrail"] == "path-policy"
+        # What the agent hands its model names the refusal (a violation of the run each).
+        assert results[3]["error"]["message"].startswith(
+            "blocked by sandbox policy: file-write server.pem (file-tools: creating ")
+        assert all(r["error"]["message"].startswith("blocked by sandbox policy: ")
+                   for r in results[2:7])
         assert "CC-ACP-SECRET" not in json.dumps(results)
         assert not (tree / "server.pem").exists()
         assert not (tree / ".git" / "hooks" / "pre-commit").exists()
         assert (d.repo / "README.md").read_text() == "original readme\n"
         assert results[7] == {"ok": {"exitCode": 0, "output": "from-terminal\ncc-sandbox\n"}}
+        env_file = tree / ".env"
+        assert results[8]["ok"]["exitCode"] == 1
+        assert results[8]["ok"]["output"].endswith(
+            f"blocked by sandbox policy: file-write-create {env_file} (matches '.env')\n")
+        assert [v.source for v in run.violations.kept].count("guardrail") == 5
         requests = run.acp.client.file_requests
         assert [r["refused"] is None for r in requests] == [True, True] + [False] * 5
 
