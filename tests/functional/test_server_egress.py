@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
 import secrets
 from collections.abc import AsyncIterator, Iterator
@@ -216,7 +217,29 @@ async def test_a_dispatch_runs_egress_changes_through_the_dispatch_api(
                     assert answer.status == 400
                 async with http_client.get("/v1/dispatches/nope/egress") as answer:
                     assert answer.status == 404
+                # Ask mode, switched on for the running run; answered through the dispatch API.
+                # `localhost` is asked about: the addresses it resolves to are listed.
+                async with http_client.patch(egress, json={
+                    "allow": ["127.0.0.1", "::1"], "ask": True, "askTimeoutS": 20}) as a:
+                    assert (await a.json())["asking"] is True
+                named = {"command": command["command"].replace("127.0.0.1", "localhost")}
+                pending = asyncio.ensure_future(http_client.post(bash, json=named))
+                requests: list[dict[str, Any]] = []
+                for _ in range(200):
+                    requests = (await (await http_client.get(egress)).json())["requests"]
+                    if requests:
+                        break
+                    await asyncio.sleep(0.05)
+                assert [r["entry"] for r in requests] == [f"localhost:{upstream_port}"], requests
+                async with http_client.post(f"{egress}/requests/{requests[0]['id']}",
+                                            json={"answer": "once"}) as answer:
+                    assert answer.status == 200, await answer.text()
+                asked = await (await pending).json()
+                assert asked["stdout"] == "200", asked
+                async with http_client.post(f"{egress}/requests/{requests[0]['id']}",
+                                            json={"answer": "once"}) as answer:
+                    assert answer.status == 404  # answered already
             finally:
                 await http_client.delete(f"/v1/dispatches/{run_id}")
         logged = [e for e in server.log() if e.get("event") == "sandbox.egress"]
-        assert [(e.get("by"), e.get("runId")) for e in logged] == [("dispatch", run_id)] * 2
+        assert [(e.get("by"), e.get("runId")) for e in logged] == [("dispatch", run_id)] * 3

@@ -394,6 +394,7 @@ def _step_launcher(
             globs=policy.deny_create_globs, socket=sock, library=tools.library,
             patterns=policy.protected_patterns, roots=tuple(roots),
             exempt=policy.exempt_roots, absolute=policy.protected_absolute,
+            host_sockets=policy.host_socket_dirs,
         )  # fmt: skip
     if serve is not None:
         pid_1 = [] if rules is not None else ["--as-pid-1"]  # with rules it is there already

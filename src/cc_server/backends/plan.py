@@ -96,6 +96,7 @@ class CreateRules:
     roots: tuple[str, ...] = ()
     exempt: tuple[str, ...] = ()
     absolute: tuple[str, ...] = ()
+    host_sockets: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -48,6 +48,7 @@ import functools
 import logging
 import os
 import socket
+import stat
 import struct
 import subprocess
 import threading
@@ -75,6 +76,7 @@ __all__ = [
     "CreateRefused",
     "CreateRuleSupervisor",
     "CreateRulesCheck",
+    "LauncherEnds",
     "PathRules",
     "Report",
     "SupervisorFault",
@@ -88,7 +90,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 8  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 9  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -149,6 +151,7 @@ WRITE_SYSCALLS: Final[tuple[tuple[str | int, str], ...]] = (
     ("fchmodat", "changes a file's mode"),
     ("fchmod", "changes the mode of a file the task has open (for reading, say)"),
     (452, "fchmodat2: changes a file's mode, also of a file the task has open"),
+    ("connect", "a host process's Unix socket in a bind stays out (the launcher's connector)"),
 )
 # An open of an existing file that can change its data: for writing, or with O_TRUNC.
 WRITE_OPEN_FLAGS: Final = (os.O_WRONLY, os.O_RDWR, os.O_TRUNC)
@@ -313,6 +316,7 @@ _VERBS: Final = {
     "file-write-rename": "rename",
     "file-write-mode": "change the mode of",
     "file-read-data": "open",
+    "network-outbound": "connect to",
 }
 
 
@@ -367,8 +371,9 @@ def _library(path: str) -> ctypes.CDLL:
         lib.ccs_abi_version.argtypes = []
         lib.ccs_start.restype = _Handle
         lib.ccs_start.argtypes = [
-            ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-            ctypes.c_uint, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_char_p, ctypes.c_size_t,
+            ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t,
+            ctypes.c_int, ctypes.c_int, ctypes.c_uint, ctypes.c_longlong, ctypes.c_longlong,
+            ctypes.c_char_p, ctypes.c_size_t,
         ]  # fmt: skip
         lib.ccs_stop.restype = None
         lib.ccs_stop.argtypes = [_Handle]
@@ -420,13 +425,32 @@ class PathRules:
     roots: tuple[str, ...] = ()
     exempt: tuple[str, ...] = ()
     absolute: tuple[str, ...] = ()
+    host_sockets: tuple[str, ...] = ()
+    """Directories whose host listeners a command may connect to (a bind that allows them);
+    any other pathname Unix socket must be bound inside the sandbox."""
 
 
 def path_rules(rules: CreateRules) -> PathRules:
     """A plan's path rules, for `CreateRuleSupervisor.start`."""
     return PathRules(
-        patterns=rules.patterns, roots=rules.roots, exempt=rules.exempt, absolute=rules.absolute
-    )
+        patterns=rules.patterns, roots=rules.roots, exempt=rules.exempt, absolute=rules.absolute,
+        host_sockets=rules.host_sockets,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LauncherEnds:
+    """What the launcher hands the supervisor: its seccomp listener, its connector's control
+    socket (connects made inside the sandbox) and a sock_diag socket of its network namespace."""
+
+    listener: int
+    connector: int
+    diag: int
+
+    def close(self) -> None:
+        for fd in (self.listener, self.connector, self.diag):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class CreateRuleSupervisor:
@@ -448,7 +472,7 @@ class CreateRuleSupervisor:
     @classmethod
     def start(
         cls,
-        listener: int,
+        listener: int | LauncherEnds,
         globs: Iterable[str],
         *,
         library: str,
@@ -459,6 +483,8 @@ class CreateRuleSupervisor:
         paths: PathRules | None = None,
     ) -> CreateRuleSupervisor:
         """Supervise `listener` (taken over, closed on failure too) for names matching `globs`.
+        With the launcher's `LauncherEnds`, connects are decided too (a bare listener, as in the
+        library's own tests, answers a trapped connect with EPERM).
 
         `sync_wake` asks the kernel to wake the task and the workers on each other's CPU;
         `reply_here` keeps the task on the worker's CPU while an opened file is handed to it.
@@ -476,12 +502,14 @@ class CreateRuleSupervisor:
             entries += [("r", r) for r in paths.roots]
             entries += [("x", x) for x in paths.exempt]
             entries += [("a", a) for a in paths.absolute]
+            entries += [("s", d) for d in paths.host_sockets]
         blob = b"".join(os.fsencode(f"{kind}:{text}") + b"\0" for kind, text in entries)
+        ends = listener if isinstance(listener, LauncherEnds) else LauncherEnds(listener, -1, -1)
         try:
             lib = _library(library)
             read_fd, write_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as exc:
-            os.close(listener)
+            ends.close()
             raise EnforcementFailed(f"cannot start the create-rule supervisor: {exc}") from exc
         with contextlib.suppress(OSError):  # a smaller pipe only means reports drop sooner
             fcntl_setpipe_sz(write_fd, REPORT_PIPE_BYTES)
@@ -489,9 +517,10 @@ class CreateRuleSupervisor:
         flags = (1 if sync_wake else 0) | (2 if reply_here else 0)
         uid, gid = (identity.uid, identity.gid) if identity is not None else (-1, -1)
         handle = lib.ccs_start(
-            listener, blob, len(blob), write_fd, workers, flags, uid, gid, error, 256
-        )
-        if not handle:  # the library closed the listener and the pipe's write end
+            ends.listener, ends.connector, ends.diag, blob, len(blob), write_fd, workers, flags,
+            uid, gid, error, 256,
+        )  # fmt: skip
+        if not handle:  # the library closed the ends and the pipe's write end
             os.close(read_fd)
             raise EnforcementFailed(
                 f"cannot start the create-rule supervisor: {error.value.decode(errors='replace')}"
@@ -561,8 +590,11 @@ def _is_listener(fd: int) -> bool:
         return False
 
 
-async def receive_listener(sock: socket.socket, timeout_s: float = LISTENER_TIMEOUT_S) -> int:
-    """Wait for the launcher's listener on `sock` (the server's end of the socketpair).
+async def receive_listener(
+    sock: socket.socket, timeout_s: float = LISTENER_TIMEOUT_S
+) -> LauncherEnds:
+    """Wait for the launcher's listener, connector and sock_diag socket on `sock` (the server's
+    end of the socketpair).
 
     Raises:
         EnforcementFailed: the launcher exited or sent something else, or nothing came in
@@ -571,11 +603,19 @@ async def receive_listener(sock: socket.socket, timeout_s: float = LISTENER_TIME
     from cc_server.backends.fdpass import receive_fds  # lazy import: asyncio
 
     what = "seccomp listener"
-    fds = await receive_fds(sock, tag=b"L", count=1, timeout_s=timeout_s, what=what)
-    if not _is_listener(fds[0]):
-        os.close(fds[0])
+    fds = await receive_fds(sock, tag=b"L", count=3, timeout_s=timeout_s, what=what)
+    ends = LauncherEnds(*fds)
+    if not _is_listener(ends.listener) or not all(map(_is_socket, (ends.connector, ends.diag))):
+        ends.close()
         raise EnforcementFailed(f"the launcher sent something other than its {what}")
-    return fds[0]
+    return ends
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except OSError:
+        return False
 
 
 async def stop_supervisor(

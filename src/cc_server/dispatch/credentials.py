@@ -336,7 +336,7 @@ class CredentialBroker:
                 "GIT_CONFIG_VALUE_1": helper,
                 "GIT_TERMINAL_PROMPT": "0",
             },
-            bind_mounts=(SandboxBindMount(host_path=directory, read_only=True),),
+            bind_mounts=(SandboxBindMount(host_path=directory, read_only=True, host_sockets=True),),
             directory=directory,
         )
         with self._lock:

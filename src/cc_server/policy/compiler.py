@@ -51,6 +51,8 @@ class Mount:
     guest_path: str
     writable: bool
     reason: str
+    host_sockets: bool = False
+    """Host listeners below it may be connected to (SandboxBindMount.host_sockets)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,6 +81,11 @@ class CompiledPolicy:
     def exempt_roots(self) -> tuple[str, ...]:
         """Runner state directories: the path patterns do not apply below them."""
         return tuple(m.host_path for m in self.mounts if m.reason == "runner state directory")
+
+    @property
+    def host_socket_dirs(self) -> tuple[str, ...]:
+        """Where host listeners may be connected to, in the sandbox's view."""
+        return tuple(m.guest_path for m in self.mounts if m.host_sockets)
 
     @property
     def writable_roots(self) -> tuple[str, ...]:
@@ -185,6 +192,7 @@ def compile_policy(
                 guest_path=bind.guest,
                 writable=spec.mode.binds_writable and not bind.read_only,
                 reason="bind mount" if spec.mode.binds_writable else f"bind mount ({spec.mode})",
+                host_sockets=bind.host_sockets,
             )
         )
     for state_dir in spec.runner_state_dirs:

@@ -153,6 +153,9 @@ class SandboxBindMount(_Model, frozen=True):  # frozen restated for type checker
     host_path: str  # absolute path on the host
     guest_path: str | None = None  # path inside the sandbox; defaults to hostPath
     read_only: bool = False  # mount read-only when true
+    # Commands may connect to Unix sockets a host process listens on below it (the credential
+    # broker's own bind); without it only a socket bound inside the sandbox can be connected to.
+    host_sockets: bool = False
 
     def __post_init__(self) -> None:
         _normalise(self, "host_path", _checked("hostPath", self.host_path))

@@ -239,6 +239,13 @@ class SessionEgress:
         if self._proxies is not None:
             self._proxies.set_asker(self._asked)
 
+    def stop_asking(self) -> None:
+        """Refuse unlisted targets again from now on; requests already waiting can still be
+        answered until their time runs out."""
+        self._ask_timeout_s = None
+        if self._proxies is not None:
+            self._proxies.set_asker(None)
+
     @property
     def asking(self) -> bool:
         """Whether unlisted targets are asked about (`ask`)."""

@@ -99,6 +99,10 @@ class EgressPort(Protocol):
         """Hold connections to unlisted targets until answered (see runtime.egress)."""
         ...
 
+    def stop_asking(self) -> None:
+        """Refuse unlisted targets again (see runtime.egress)."""
+        ...
+
     @property
     def asking(self) -> bool:
         """Whether unlisted targets are asked about."""

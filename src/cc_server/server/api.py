@@ -238,7 +238,7 @@ async def patch_egress(request: web.Request) -> web.StreamResponse:
     handle = _handle(_state(request), request.match_info["id"])
     req: EgressChangeRequest = _decode(await request.read(), EgressChangeRequest)
     try:
-        return web.json_response(change_egress(handle, req.allow, req.remove, by="api"))
+        return web.json_response(change_egress(handle, req, by="api"))
     except CcServerError as exc:
         _refuse_error(exc)
 

@@ -66,9 +66,9 @@ from cc_server.policy import AgentCapabilities, Mode
 from cc_server.runtime.egress import egress_base_dir
 from cc_server.runtime.port import SandboxManager
 from cc_server.server.api import error_response, status_for
-from cc_server.server.egress_api import change_egress, egress_view
+from cc_server.server.egress_api import answer_request, change_egress, egress_view
 from cc_server.server.logs import log_event
-from cc_server.server.models import EgressChangeRequest
+from cc_server.server.models import EgressAnswerRequest, EgressChangeRequest
 
 __all__ = [
     "DISPATCH",
@@ -464,8 +464,21 @@ async def patch_dispatch_egress(request: web.Request) -> web.StreamResponse:
     """Remove, then add, entries of the run's allowlist, for its next connection."""
     run = _run(request)
     body: EgressChangeRequest = await _body(request, EgressChangeRequest)
-    return web.json_response(change_egress(run.handle, body.allow, body.remove, by="dispatch",
+    return web.json_response(change_egress(run.handle, body, by="dispatch",
                                            runId=request.match_info["id"]))
+
+
+@routes.post("/v1/dispatches/{id}/egress/requests/{request}")
+@_handler
+async def answer_dispatch_egress_request(request: web.Request) -> web.StreamResponse:
+    """Answer a connection of the run held for an answer (once, session or deny)."""
+    run = _run(request)
+    body: EgressAnswerRequest = await _body(request, EgressAnswerRequest)
+    try:
+        answered = answer_request(run.handle, request.match_info["request"], body.answer)
+    except BadSpec as exc:  # no such request waits
+        raise _Answer(error_response(404, "NotFound", exc.message, exc.fix)) from None
+    return web.json_response(answered)
 
 
 @routes.post("/v1/dispatches/{id}/claude")
@@ -617,10 +630,18 @@ def openapi_paths(ref: Any) -> dict[str, Any]:
             "get": {"summary": "The run's egress allowlist and deny list now",
                     "responses": answer("the allowlist (EgressView)", 200, 401, 404, 409)},
             "patch": {"summary": "Remove, then add, allowlist entries (host[:port]) for the "
-                                 "run's next connection; an egress-changed event, a log line",
+                                 "run's next connection (an egress-changed event, a log line); "
+                                 "ask: hold unlisted targets and ask (egress-request)",
                       "requestBody": body(EgressChangeRequest),
                       "responses": answer("the allowlist after it (EgressView)",
                                           200, 400, 401, 404, 409)},
+        },
+        "/v1/dispatches/{id}/egress/requests/{request}": {
+            "parameters": [run_id, {"name": "request", "in": "path", "required": True,
+                                    "schema": {"type": "string"}}],
+            "post": {"summary": "Answer a held connection of the run: once, session or deny",
+                     "requestBody": body(EgressAnswerRequest),
+                     "responses": answer("the request answered", 200, 400, 401, 404, 409)},
         },
         "/v1/dispatches/{id}/claude": {
             "parameters": [run_id],

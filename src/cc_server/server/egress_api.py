@@ -10,6 +10,7 @@ from cc_server.egress.changes import EgressChange
 from cc_server.errors import BackendUnavailable
 from cc_server.runtime.handle import EgressPort, SandboxHandle
 from cc_server.server.logs import log_event
+from cc_server.server.models import EgressChangeRequest
 
 __all__ = ["answer_request", "change_egress", "egress_of", "egress_view"]
 
@@ -43,17 +44,27 @@ def egress_view(handle: SandboxHandle) -> dict[str, Any]:
 
 
 def change_egress(
-    handle: SandboxHandle, allow: list[str], remove: list[str], *, by: str, **log_fields: Any
+    handle: SandboxHandle, request: EgressChangeRequest, *, by: str, **log_fields: Any
 ) -> dict[str, Any]:
-    """Remove, then add, entries; the view after it, with what it did (`change`). A change
-    that changes something is a `sandbox.egress` line in the server's log.
+    """Remove, then add, entries, then turn ask mode on or off if asked; the view after it,
+    with what it did (`change`). A change that changes something is a `sandbox.egress` line in
+    the server's log.
 
     Raises:
         BackendUnavailable: no egress proxies.
         InvalidPattern, BadSpec: as `SessionEgress.change`; nothing changes.
     """
-    change = egress_of(handle).change(EgressChange(allow=tuple(allow), remove=tuple(remove)),
-                                      by=by)
+    egress = egress_of(handle)
+    change = egress.change(EgressChange(allow=tuple(request.allow), remove=tuple(request.remove)),
+                           by=by)
+    if request.ask is not None and request.ask != egress.asking:
+        if request.ask:
+            egress.ask(request.ask_timeout_s)
+        else:
+            egress.stop_asking()
+        log_event("sandbox.egress-ask", f"sandbox {handle.session_id} egress ask "
+                  f"{'on' if request.ask else 'off'}", sessionId=handle.session_id,
+                  ask=request.ask, by=by, **log_fields)
     if change.added or change.removed:
         log_event("sandbox.egress", f"sandbox {handle.session_id} egress changed",
                   sessionId=handle.session_id, added=list(change.added),

@@ -100,6 +100,8 @@ class EgressChangeRequest(_Body, frozen=True, omit_defaults=True):
 
     allow: _Entries = msgspec.field(default_factory=list)  # entries to add
     remove: _Entries = msgspec.field(default_factory=list)  # entries to remove (exact text)
+    ask: bool | None = None  # true: hold unlisted targets and ask (egress-request); false: stop
+    ask_timeout_s: _AskTimeout = 30.0  # with ask true: no answer in this time is a denial
 
 
 class EgressChangedView(_Body, frozen=True):

@@ -57,7 +57,7 @@ def test_spec_json_names_are_the_reference_pages_camel_case() -> None:
 
 def test_bind_mount_json_names() -> None:
     dumped = SandboxBindMount(host_path="/a").to_json()
-    assert set(dumped) == {"hostPath", "guestPath", "readOnly"}
+    assert set(dumped) == {"hostPath", "guestPath", "readOnly", "hostSockets"}
 
 
 def test_capability_json_names_include_the_reference_pages_github_flag() -> None:
@@ -121,7 +121,9 @@ def test_to_json_nests_plain_dicts_and_keeps_tuples() -> None:
         mode=Mode.PLAN,
     )
     dumped = spec.to_json()
-    assert dumped["bindMounts"] == ({"hostPath": "/a", "guestPath": "/b", "readOnly": True},)
+    assert dumped["bindMounts"] == (
+        {"hostPath": "/a", "guestPath": "/b", "readOnly": True, "hostSockets": False},
+    )
     assert type(dumped["bindMounts"]) is tuple
     assert dumped["protectedPaths"] == ("/p",)
     assert dumped["mode"] == "plan"
@@ -643,7 +645,9 @@ def test_spec_json_schema_forbids_unknown_fields_everywhere() -> None:
 
 def test_spec_json_schema_nested_models_and_constraints() -> None:
     defs = spec_json_schema()["$defs"]
-    assert set(defs["SandboxBindMount"]["properties"]) == {"hostPath", "guestPath", "readOnly"}
+    assert set(defs["SandboxBindMount"]["properties"]) == {
+        "hostPath", "guestPath", "readOnly", "hostSockets"
+    }
     assert defs["SandboxBindMount"]["required"] == ["hostPath"]
     assert set(defs["AgentCapabilities"]["properties"]) == set(AgentCapabilities().to_json())
     assert "canCallGitHubApi" in defs["AgentCapabilities"]["properties"]

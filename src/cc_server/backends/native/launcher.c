@@ -44,6 +44,11 @@
  */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <linux/netlink.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <sys/un.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -117,9 +122,9 @@ static int send_fds(int sock, char tag, const int *fds, size_t n) {
     struct iovec iov = {.iov_base = &tag, .iov_len = 1};
     union {
         struct cmsghdr hdr;
-        char buf[CMSG_SPACE(2 * sizeof(int))];
+        char buf[CMSG_SPACE(3 * sizeof(int))];
     } control;
-    if (n == 0 || n > 2)
+    if (n == 0 || n > 3)
         return -1;
     memset(&control, 0, sizeof control);
     struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
@@ -684,6 +689,148 @@ out:
     return result;
 }
 
+/* --- the connector: connect(2) done for the supervisor, inside the sandbox ------------------ */
+
+#define CONNECT_MAX_ADDR 128 /* sizeof(struct sockaddr_storage) */
+#define CONNECT_MAX_RUNNING 64
+
+/* One request (supervisor.c do_connect): connect the attached socket to `addr`, or, with a
+ * second descriptor attached (an O_PATH of a Unix socket's file the supervisor has judged), to
+ * that very inode through /proc/self/fd. The reply carries `id` and the errno (0: connected). */
+struct connect_request {
+    uint64_t id;
+    uint32_t addrlen;
+    uint32_t has_target;
+    unsigned char addr[CONNECT_MAX_ADDR];
+};
+struct connect_reply {
+    uint64_t id;
+    int32_t err;
+    uint32_t pad;
+};
+struct connect_job {
+    int ctl;
+    int sock;
+    int target;
+    struct connect_request req;
+};
+
+static atomic_int connects_running;
+
+static void *connect_one(void *arg) {
+    struct connect_job *job = arg;
+    int rc;
+    if (job->target >= 0) {
+        struct sockaddr_un un = {.sun_family = AF_UNIX};
+        snprintf(un.sun_path, sizeof un.sun_path, "/proc/self/fd/%d", job->target);
+        rc = connect(job->sock, (struct sockaddr *)&un, sizeof un);
+    } else {
+        rc = connect(job->sock, (struct sockaddr *)job->req.addr, job->req.addrlen);
+    }
+    struct connect_reply reply = {.id = job->req.id, .err = rc < 0 ? errno : 0};
+    send(job->ctl, &reply, sizeof reply, MSG_NOSIGNAL);
+    close(job->sock);
+    if (job->target >= 0)
+        close(job->target);
+    free(job);
+    atomic_fetch_sub(&connects_running, 1);
+    return NULL;
+}
+
+/* The connector's loop: each request in a thread of its own (a blocking connect waits there,
+ * never in the supervisor). It exits when the supervisor closes its end. */
+static _Noreturn void connector(int ctl) {
+    for (;;) {
+        struct connect_job *job = calloc(1, sizeof *job);
+        if (!job)
+            _exit(1);
+        union {
+            struct cmsghdr hdr;
+            char buf[CMSG_SPACE(2 * sizeof(int))];
+        } control;
+        struct iovec iov = {.iov_base = &job->req, .iov_len = sizeof job->req};
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                             .msg_controllen = sizeof control.buf};
+        ssize_t n = recvmsg(ctl, &msg, MSG_CMSG_CLOEXEC);
+        if (n == 0)
+            _exit(0);
+        if (n < 0) {
+            free(job);
+            if (errno == EINTR)
+                continue;
+            _exit(1);
+        }
+        int fds[2] = {-1, -1}, nfds = 0;
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        if (c && c->cmsg_level == SOL_SOCKET && c->cmsg_type == SCM_RIGHTS) {
+            nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            memcpy(fds, CMSG_DATA(c), (size_t)(nfds > 2 ? 2 : nfds) * sizeof(int));
+        }
+        bool ok = n == (ssize_t)sizeof job->req && nfds == (job->req.has_target ? 2 : 1) &&
+                  job->req.addrlen <= CONNECT_MAX_ADDR;
+        struct connect_reply reply = {.id = job->req.id, .err = EINVAL};
+        if (ok && atomic_fetch_add(&connects_running, 1) >= CONNECT_MAX_RUNNING) {
+            atomic_fetch_sub(&connects_running, 1);
+            reply.err = EAGAIN;
+            ok = false;
+        }
+        pthread_t t;
+        if (ok) {
+            job->ctl = ctl;
+            job->sock = fds[0];
+            job->target = job->req.has_target ? fds[1] : -1;
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            pthread_attr_setstacksize(&attr, 64 * 1024);
+            int rc = pthread_create(&t, &attr, connect_one, job);
+            pthread_attr_destroy(&attr);
+            if (rc == 0)
+                continue;
+            atomic_fetch_sub(&connects_running, 1);
+            reply.err = EAGAIN;
+        }
+        send(ctl, &reply, sizeof reply, MSG_NOSIGNAL);
+        for (int i = 0; i < nfds && i < 2; i++)
+            close(fds[i]);
+        free(job);
+    }
+}
+
+/* Start the connector, before the filter (its own connects are never trapped) and after every
+ * capability is gone. It is not dumpable, so no command can ptrace it or read its memory, and it
+ * holds nothing but its end of the socketpair. Its connects are made in the sandbox's
+ * namespaces with the sandbox's credentials, so a listener sees a process of the sandbox.
+ * Returns the supervisor's end; *diag gets a NETLINK_SOCK_DIAG socket of the sandbox's network
+ * namespace (the supervisor lists the Unix sockets bound inside with it). */
+static int start_connector(int *diag) {
+    int sv[2];
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+        die("socketpair (connector)");
+    *diag = socket(AF_NETLINK, SOCK_DGRAM | SOCK_CLOEXEC, NETLINK_SOCK_DIAG);
+    if (*diag < 0)
+        die("socket(NETLINK_SOCK_DIAG)");
+    pid_t pid = fork();
+    if (pid < 0)
+        die("fork (connector)");
+    if (pid == 0) {
+        if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0 || prctl(PR_SET_PDEATHSIG, SIGKILL) < 0)
+            _exit(1);
+        int null = open("/dev/null", O_RDWR | O_CLOEXEC);
+        if (dup2(sv[1], 3) < 0 || (null >= 0 && (dup2(null, 0) < 0 || dup2(null, 1) < 0 ||
+                                                 dup2(null, 2) < 0)))
+            _exit(1);
+        if (syscall(SYS_close_range, 4, ~0U, 0) < 0)
+            _exit(1);
+        sigset_t none;
+        sigemptyset(&none);
+        sigprocmask(SIG_SETMASK, &none, NULL);
+        connector(3);
+    }
+    close(sv[1]);
+    return sv[0];
+}
+
 /* The create-time rules: the filter installed with a listener, the listener sent to the server's
  * supervisor and closed. Any failure exits 125: the command never runs without its filter. */
 static void install_create_rules(int filter_fd, int sock_fd) {
@@ -704,14 +851,18 @@ static void install_create_rules(int filter_fd, int sock_fd) {
         die("capset");
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
         die("prctl(PR_CAP_AMBIENT_CLEAR_ALL)");
+    int diag;
+    int conn = start_connector(&diag);
     int listener = install_filter(&prog);
     if (listener < 0)
         die("seccomp(SECCOMP_SET_MODE_FILTER, NEW_LISTENER|WAIT_KILLABLE_RECV)");
     free(prog.filter);
-    if (send_fd(sock_fd, listener) < 0)
+    int ends[3] = {listener, conn, diag};
+    if (send_fds(sock_fd, 'L', ends, 3) < 0)
         die("cannot hand the listener to the supervisor");
     /* From here on nothing in the sandbox holds the listener. */
-    if (close(listener) < 0 || close(sock_fd) < 0 || close(filter_fd) < 0)
+    if (close(listener) < 0 || close(conn) < 0 || close(diag) < 0 || close(sock_fd) < 0 ||
+        close(filter_fd) < 0)
         die("close");
 }
 

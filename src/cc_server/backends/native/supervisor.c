@@ -67,6 +67,10 @@
 #include <linux/audit.h>
 #include <linux/capability.h>
 #include <linux/magic.h>
+#include <linux/netlink.h>
+#include <linux/rtnetlink.h>
+#include <linux/sock_diag.h>
+#include <linux/unix_diag.h>
 #include <linux/openat2.h>
 #include <linux/seccomp.h>
 #include <netinet/in.h>
@@ -89,13 +93,14 @@
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 #include <sys/types.h>
 #include <sys/uio.h>
 #include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
-#define CCS_ABI_VERSION 8
+#define CCS_ABI_VERSION 9
 
 #ifndef SECCOMP_ADDFD_FLAG_SEND
 #define SECCOMP_ADDFD_FLAG_SEND (1UL << 1)
@@ -137,6 +142,7 @@
 #define STOP_RESCUE_MS 10         /* while stopping: how often waiting helpers are released */
 #define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
+#define MAX_CONNECTS 64           /* connects the connector runs at once (launcher.c) */
 #define PIN_IDLE_MS 1             /* a worker and a task held to one CPU for a run of opens
                                      (hold_here) get their own affinity back after this long
                                      without a call */
@@ -220,6 +226,17 @@ struct ccs {
     cpu_set_t pin_saved; /* its affinity before */
     bool sync_wake; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP was accepted */
     bool reply_here; /* answer opens on the worker's CPU (hold_here) */
+    /* connect(2), done by the launcher's connector inside the sandbox (do_connect): its
+     * control socket, a sock_diag socket of the sandbox's network namespace, the calls it has
+     * not answered yet (answered by conn_main). */
+    int conn_fd, diag_fd;
+    char **sockdirs; /* 's' entries: host listeners below these may be connected to */
+    int nsockdirs;
+    pthread_mutex_t diag_lock, conn_lock;
+    pthread_t conn_thread;
+    bool conn_started, conn_dead;
+    uint64_t conn_pending[MAX_CONNECTS];
+    int nconn_pending;
 };
 
 struct helper {
@@ -2355,6 +2372,271 @@ static void do_fchmod(struct req *q, int fd, mode_t mode) {
     respond(q->s, q->n->id, 0, err);
 }
 
+/* --- connect: no host listener ------------------------------------------------------------ */
+
+/* The request and reply of launcher.c's connector. */
+struct connect_request {
+    uint64_t id;
+    uint32_t addrlen;
+    uint32_t has_target;
+    unsigned char addr[128];
+};
+struct connect_reply {
+    uint64_t id;
+    int32_t err;
+    uint32_t pad;
+};
+
+#define HOST_LISTENER "a listener outside the sandbox: a host process's socket in a bind"
+
+/* Whether a Unix socket bound in the sandbox's network namespace has the file dev:ino, asked of
+ * the kernel with sock_diag (UDIAG_SHOW_VFS) through the launcher's socket of that namespace.
+ * Every process of the sandbox binds there; a host process binds in the host's. */
+static bool bound_inside(struct ccs *s, dev_t dev, ino_t ino, int *err) {
+    struct {
+        struct nlmsghdr nlh;
+        struct unix_diag_req req;
+    } rq = {
+        .nlh = {.nlmsg_len = sizeof rq, .nlmsg_type = SOCK_DIAG_BY_FAMILY,
+                .nlmsg_flags = NLM_F_REQUEST | NLM_F_DUMP},
+        .req = {.sdiag_family = AF_UNIX, .udiag_states = ~0U, .udiag_show = UDIAG_SHOW_VFS},
+    };
+    bool found = false;
+    *err = 0;
+    pthread_mutex_lock(&s->diag_lock);
+    struct sockaddr_nl kernel = {.nl_family = AF_NETLINK};
+    if (sendto(s->diag_fd, &rq, sizeof rq, 0, (struct sockaddr *)&kernel, sizeof kernel) < 0) {
+        *err = errno;
+        goto out;
+    }
+    static __thread char buf[32768];
+    for (bool done = false; !done;) {
+        ssize_t n = recv(s->diag_fd, buf, sizeof buf, 0);
+        if (n < 0) {
+            if (errno == EINTR)
+                continue;
+            *err = errno;
+            goto out;
+        }
+        for (struct nlmsghdr *h = (struct nlmsghdr *)buf; NLMSG_OK(h, (size_t)n);
+             h = NLMSG_NEXT(h, n)) {
+            if (h->nlmsg_type == NLMSG_DONE) {
+                done = true;
+                break;
+            }
+            if (h->nlmsg_type == NLMSG_ERROR) {
+                *err = EIO;
+                done = true;
+                break;
+            }
+            struct unix_diag_msg *m = NLMSG_DATA(h);
+            int len = (int)(h->nlmsg_len - NLMSG_LENGTH(sizeof *m));
+            for (struct rtattr *a = (struct rtattr *)(m + 1); RTA_OK(a, len); a = RTA_NEXT(a, len)) {
+                if (a->rta_type != UNIX_DIAG_VFS || RTA_PAYLOAD(a) < sizeof(struct unix_diag_vfs))
+                    continue;
+                struct unix_diag_vfs *v = RTA_DATA(a);
+                /* The kernel's own dev_t: major in the top 12 bits, minor in the low 20. */
+                if (v->udiag_vfs_ino == ino && (v->udiag_vfs_dev >> 20) == major(dev) &&
+                    (v->udiag_vfs_dev & 0xfffff) == minor(dev))
+                    found = true;
+            }
+        }
+    }
+out:
+    pthread_mutex_unlock(&s->diag_lock);
+    return found;
+}
+
+static bool sockdir_allowed(const struct ccs *s) {
+    for (int i = 0; i < s->nsockdirs; i++)
+        if (judged[0] && path_under(judged, s->sockdirs[i]))
+            return true;
+    return false;
+}
+
+/* Hand one connect to the connector; conn_main answers it. */
+static void connect_via(struct req *q, int sock, int target, const void *addr, uint32_t addrlen) {
+    struct ccs *s = q->s;
+    struct connect_request rq = {.id = q->n->id, .addrlen = addrlen, .has_target = target >= 0};
+    memcpy(rq.addr, addr, addrlen);
+    pthread_mutex_lock(&s->conn_lock);
+    int err = s->conn_dead ? ECONNREFUSED : s->nconn_pending == MAX_CONNECTS ? EAGAIN : 0;
+    if (!err)
+        s->conn_pending[s->nconn_pending++] = q->n->id;
+    pthread_mutex_unlock(&s->conn_lock);
+    if (!err) {
+        int fds[2] = {sock, target};
+        union {
+            struct cmsghdr hdr;
+            char buf[CMSG_SPACE(2 * sizeof(int))];
+        } control;
+        memset(&control, 0, sizeof control);
+        struct iovec iov = {.iov_base = &rq, .iov_len = sizeof rq};
+        size_t nfds = target >= 0 ? 2 : 1;
+        struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = control.buf,
+                             .msg_controllen = CMSG_SPACE(nfds * sizeof(int))};
+        struct cmsghdr *c = CMSG_FIRSTHDR(&msg);
+        c->cmsg_level = SOL_SOCKET;
+        c->cmsg_type = SCM_RIGHTS;
+        c->cmsg_len = CMSG_LEN(nfds * sizeof(int));
+        memcpy(CMSG_DATA(c), fds, nfds * sizeof(int));
+        if (sendmsg(s->conn_fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) != (ssize_t)sizeof rq) {
+            err = errno == EAGAIN ? EAGAIN : ECONNREFUSED;
+            pthread_mutex_lock(&s->conn_lock);
+            for (int i = 0; i < s->nconn_pending; i++)
+                if (s->conn_pending[i] == q->n->id)
+                    s->conn_pending[i] = s->conn_pending[--s->nconn_pending];
+            pthread_mutex_unlock(&s->conn_lock);
+        }
+    }
+    close(sock);
+    if (target >= 0)
+        close(target);
+    if (err)
+        respond(s, q->n->id, 0, err);
+}
+
+/* The connector's answers, each to its call; when it is gone, every call it held is refused. */
+static void *conn_main(void *arg) {
+    struct ccs *s = arg;
+    for (;;) {
+        struct pollfd p[2] = {{.fd = s->conn_fd, .events = POLLIN}, {.fd = s->stop_fd, .events = POLLIN}};
+        if (poll(p, 2, -1) < 0) {
+            if (errno == EINTR)
+                continue;
+            break;
+        }
+        if (p[1].revents)
+            return NULL;
+        struct connect_reply r;
+        ssize_t n = recv(s->conn_fd, &r, sizeof r, MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR))
+            continue;
+        if (n != (ssize_t)sizeof r)
+            break; /* gone (killed from inside, say), or garbage */
+        bool known = false;
+        pthread_mutex_lock(&s->conn_lock);
+        for (int i = 0; i < s->nconn_pending; i++) {
+            if (s->conn_pending[i] == r.id) {
+                s->conn_pending[i] = s->conn_pending[--s->nconn_pending];
+                known = true;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&s->conn_lock);
+        if (known)
+            respond(s, r.id, 0, r.err >= 0 && r.err < 4096 ? r.err : EIO);
+    }
+    pthread_mutex_lock(&s->conn_lock);
+    s->conn_dead = true;
+    int n = s->nconn_pending;
+    uint64_t ids[MAX_CONNECTS];
+    memcpy(ids, s->conn_pending, (size_t)n * sizeof ids[0]);
+    s->nconn_pending = 0;
+    pthread_mutex_unlock(&s->conn_lock);
+    for (int i = 0; i < n; i++)
+        respond(s, ids[i], 0, ECONNREFUSED);
+    return NULL;
+}
+
+/* connect: a pathname Unix socket only if a process of the sandbox listens on it (or it lies
+ * below a bind whose host listeners were allowed); every connect is made by the connector, or,
+ * for a non-blocking socket of another family, here (the socket keeps its own namespace). */
+static void do_connect(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen) {
+    struct ccs *s = q->s;
+    struct sockaddr_storage addr;
+    memset(&addr, 0, sizeof addr);
+    if (addrlen > sizeof addr || addrlen < sizeof(sa_family_t)) {
+        if (id_valid(s, q->n->id))
+            respond(s, q->n->id, 0, EINVAL);
+        return;
+    }
+    int err = copy_bytes(q->n->pid, addr_ptr, &addr, (size_t)addrlen);
+    if (err == ESRCH || !id_valid(s, q->n->id))
+        return;
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    if (s->conn_fd < 0) {
+        report_error(q, "", "no connector from the launcher");
+        respond(s, q->n->id, 0, EPERM);
+        return;
+    }
+    int sock = q->pidfd >= 0 ? (int)syscall(SYS_pidfd_getfd, q->pidfd, sockfd, 0) : -1;
+    if (sock < 0) {
+        int pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, 0);
+        if (pidfd >= 0) {
+            sock = (int)syscall(SYS_pidfd_getfd, pidfd, sockfd, 0);
+            close(pidfd);
+        }
+    }
+    if (sock < 0) {
+        respond(s, q->n->id, 0, errno == ESRCH ? EBADF : errno);
+        return;
+    }
+    int domain = 0;
+    socklen_t dlen = sizeof domain;
+    if (getsockopt(sock, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) < 0) {
+        close(sock);
+        respond(s, q->n->id, 0, errno == ENOTSOCK ? ENOTSOCK : errno);
+        return;
+    }
+    struct sockaddr_un *un = (struct sockaddr_un *)&addr;
+    size_t path_off = offsetof(struct sockaddr_un, sun_path);
+    if (domain == AF_UNIX && addr.ss_family == AF_UNIX && addrlen > path_off &&
+        un->sun_path[0] != '\0') {
+        char path[sizeof un->sun_path + 1];
+        size_t plen = strnlen(un->sun_path, (size_t)addrlen - path_off);
+        memcpy(path, un->sun_path, plen);
+        path[plen] = '\0';
+        struct resolved r;
+        int obj = -1;
+        err = resolve(q, AT_FDCWD, path, true, &r);
+        if (!err && r.kind == RES_OBJECT) {
+            obj = r.obj_fd;
+            r.obj_fd = -1;
+        } else if (!err && r.kind == RES_DIR) {
+            err = ECONNREFUSED;
+        } else if (!err) {
+            obj = openat(r.dir_fd, r.name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+            err = obj < 0 ? errno : 0;
+        }
+        res_close(&r);
+        struct stat st;
+        if (!err && (fstat(obj, &st) < 0 || !S_ISSOCK(st.st_mode)))
+            err = ECONNREFUSED; /* what the kernel says of a name that is not a socket */
+        if (!err) {
+            judge_path(obj, "");
+            int derr = 0;
+            if (!sockdir_allowed(s) && !bound_inside(s, st.st_dev, st.st_ino, &derr)) {
+                close(obj);
+                close(sock);
+                q->action = "network-outbound";
+                if (derr)
+                    report_error(q, path, "sock_diag: %s", strerror(derr));
+                refuse(q, path, path, derr ? "(the sandbox's sockets could not be listed)"
+                                           : HOST_LISTENER);
+                return;
+            }
+            connect_via(q, sock, obj, NULL, 0);
+            return;
+        }
+        close_fd(&obj);
+        close(sock);
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    int fl = fcntl(sock, F_GETFL);
+    if (domain != AF_UNIX && fl >= 0 && (fl & O_NONBLOCK)) {
+        err = connect(sock, (struct sockaddr *)&addr, (socklen_t)addrlen) < 0 ? errno : 0;
+        close(sock);
+        respond(s, q->n->id, 0, err);
+        return;
+    }
+    connect_via(q, sock, -1, &addr, (uint32_t)addrlen);
+}
+
 static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen) {
     struct ccs *s = q->s;
     struct sockaddr_storage addr;
@@ -2514,6 +2796,7 @@ static const char *syscall_name(int nr) {
 #endif
     case SYS_renameat2: return "renameat2";
     case SYS_bind: return "bind";
+    case SYS_connect: return "connect";
 #ifdef SYS_unlink
     case SYS_unlink: return "unlink";
 #endif
@@ -2576,6 +2859,7 @@ static void dispatch(struct req *q) {
         do_rename(q, arg_int(a[0]), a[1], arg_int(a[2]), a[3], (unsigned)a[4]);
         break;
     case SYS_bind: do_bind(q, arg_int(a[0]), a[1], a[2]); break;
+    case SYS_connect: do_connect(q, arg_int(a[0]), a[1], a[2]); break;
 #ifdef SYS_unlink
     case SYS_unlink: do_unlink(q, AT_FDCWD, a[0], 0); break;
 #endif
@@ -2826,6 +3110,13 @@ static void destroy(struct ccs *s) {
     free(s->roots);
     free(s->exempts);
     free(s->absolutes);
+    free(s->sockdirs);
+    if (s->conn_fd >= 0)
+        close(s->conn_fd);
+    if (s->diag_fd >= 0)
+        close(s->diag_fd);
+    pthread_mutex_destroy(&s->diag_lock);
+    pthread_mutex_destroy(&s->conn_lock);
     free(s->glob_blob);
     free(s->groups);
     free(s->threads);
@@ -2846,18 +3137,26 @@ int ccs_abi_version(void) { return CCS_ABI_VERSION; }
  * unsupported); bit 1: answer opens with the task kept on the worker's CPU (hold_here).
  * Returns NULL with a message in `err` on failure (then both fds are closed).
  */
-struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int report_fd,
-                      int nworkers, unsigned flags, long long identity_uid,
+struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, size_t globs_len,
+                      int report_fd, int nworkers, unsigned flags, long long identity_uid,
                       long long identity_gid, char *err, size_t errlen) {
     struct ccs *s = calloc(1, sizeof *s);
     if (!s) {
         snprintf(err, errlen, "out of memory");
         close(listener);
         close(report_fd);
+        if (connector >= 0)
+            close(connector);
+        if (diag >= 0)
+            close(diag);
         return NULL;
     }
     s->listener = listener;
     s->report_fd = report_fd;
+    s->conn_fd = connector;
+    s->diag_fd = diag;
+    pthread_mutex_init(&s->diag_lock, NULL);
+    pthread_mutex_init(&s->conn_lock, NULL);
     s->stop_fd = -1;
     s->proc_fd = -1;
     s->pin_pidfd = -1;
@@ -2888,8 +3187,9 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     s->roots = calloc(entries, sizeof(char *));
     s->exempts = calloc(entries, sizeof(char *));
     s->absolutes = calloc(entries, sizeof(char *));
+    s->sockdirs = calloc(entries, sizeof(char *));
     if (!s->globs || !s->forms || !s->pats || !s->pat_tree || !s->pat_last || !s->pat_first || !s->roots ||
-        !s->exempts || !s->absolutes)
+        !s->exempts || !s->absolutes || !s->sockdirs)
         goto oom;
     char *g = s->glob_blob;
     for (size_t i = 0; i < entries; i++) {
@@ -2929,6 +3229,7 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
         case 'r':
         case 'x':
         case 'a':
+        case 's':
             if (text[0] != '/') {
                 snprintf(err, errlen, "a root must be absolute: %s", text);
                 goto fail;
@@ -2937,6 +3238,8 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
                 s->roots[s->nroots++] = text;
             else if (kind == 'x')
                 s->exempts[s->nexempts++] = text;
+            else if (kind == 's')
+                s->sockdirs[s->nsockdirs++] = text;
             else
                 s->absolutes[s->nabsolutes++] = text;
             break;
@@ -2994,6 +3297,15 @@ struct ccs *ccs_start(int listener, const char *globs, size_t globs_len, int rep
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, &old);
+    if (s->conn_fd >= 0) {
+        int rc = pthread_create(&s->conn_thread, NULL, conn_main, s);
+        if (rc) {
+            pthread_sigmask(SIG_SETMASK, &old, NULL);
+            snprintf(err, errlen, "pthread_create: %s", strerror(rc));
+            goto fail;
+        }
+        s->conn_started = true;
+    }
     for (int i = 0; i < nworkers; i++) {
         int rc = pthread_create(&s->threads[i], NULL, worker, s);
         if (rc) {
@@ -3037,6 +3349,8 @@ void ccs_stop(struct ccs *s) {
     }
     for (int i = 0; i < s->nworkers; i++)
         pthread_join(s->threads[i], NULL);
+    if (s->conn_started)
+        pthread_join(s->conn_thread, NULL);
     pthread_mutex_lock(&s->lock);
     while (s->nhelpers > 0) {
         pthread_mutex_unlock(&s->lock);

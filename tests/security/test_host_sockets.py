@@ -1,0 +1,249 @@
+"""Host listeners stay out: a Unix socket a host process listens on inside a writable bind
+cannot be connected to from the sandbox, by any spelling of its path (a symlink, a hard link,
+/proc/self/cwd, /proc/self/root), from a stream, seqpacket or datagram socket, as root and as
+an unprivileged user; the host's listener is checked afterwards and sees nothing. A socket
+bound inside the sandbox, a socketpair, an abstract socket and TCP keep working, and so does a
+bind whose host listeners were allowed (the credential broker's).
+
+Cases taken from the peers' suites (their tests read, none of their code): Anthropic
+sandbox-runtime `test/sandbox/seccomp-filter.test.ts` (Unix sockets out of the sandbox are
+refused, socketpair keeps working), Codex `codex-rs/linux-sandbox/tests/suite/sandbox.rs`
+(no connection to a host Unix socket).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import pathlib
+import shlex
+import socket
+import threading
+from collections.abc import Iterator
+
+import pytest
+from escape_kit import ATTACK_RUNNER, Sandboxes, output
+from other_user import OtherUser, remove
+
+pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+
+class HostListener:
+    """A host process's listening Unix socket; `contacts` counts whoever reached it."""
+
+    def __init__(self, path: pathlib.Path, kind: int = socket.SOCK_STREAM) -> None:
+        self.path = path
+        self.kind = kind
+        self.contacts = 0
+        self.sock = socket.socket(socket.AF_UNIX, kind)
+        self.sock.bind(str(path))
+        path.chmod(0o777)
+        if kind != socket.SOCK_DGRAM:
+            self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if self.kind == socket.SOCK_DGRAM:
+                    self.sock.recv(100)
+                else:
+                    conn, _ = self.sock.accept()
+                    conn.close()
+                self.contacts += 1
+            except (TimeoutError, OSError):
+                continue
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sock.close()
+
+
+@contextlib.contextmanager
+def host_listener(path: pathlib.Path, kind: int = socket.SOCK_STREAM) -> Iterator[HostListener]:
+    listener = HostListener(path, kind)
+    try:
+        yield listener
+    finally:
+        listener.close()
+
+
+# name -> the Python body (in the worktree; `host.sock` is the host's listener)
+SPELLINGS: dict[str, str] = {
+    "absolute": "c = socket.socket(socket.AF_UNIX); c.connect(os.getcwd() + '/host.sock')",
+    "relative": "c = socket.socket(socket.AF_UNIX); c.connect('host.sock')",
+    "symlink": (
+        "os.symlink('host.sock', 'innocent')\n"
+        "c = socket.socket(socket.AF_UNIX); c.connect('innocent')"
+    ),
+    "hard-link": (
+        "os.link('host.sock', 'alias.sock')\n"
+        "c = socket.socket(socket.AF_UNIX); c.connect('alias.sock')"
+    ),
+    "proc-self-cwd": (
+        "c = socket.socket(socket.AF_UNIX); c.connect('/proc/self/cwd/host.sock')"
+    ),
+    "proc-self-root": (
+        "c = socket.socket(socket.AF_UNIX)\n"
+        "c.connect('/proc/self/root' + os.getcwd() + '/host.sock')"
+    ),
+    "seqpacket": (
+        "c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); c.connect('host.sock')"
+    ),
+    "via-a-thread": (
+        "import threading\nerr = []\n"
+        "def go():\n"
+        "    try:\n"
+        "        socket.socket(socket.AF_UNIX).connect('host.sock')\n"
+        "    except OSError as e:\n"
+        "        err.append(e)\n"
+        "t = threading.Thread(target=go); t.start(); t.join()\n"
+        "if err: raise err[0]"
+    ),
+}  # fmt: skip
+
+
+def _kit(tmp_path: pathlib.Path, body: str) -> pathlib.Path:
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "run.py").write_text(ATTACK_RUNNER)
+    (kit / "attack.py").write_text("import socket\n" + body + "\n")
+    return kit
+
+
+@pytest.mark.parametrize("name", sorted(SPELLINGS))
+async def test_a_host_listener_in_a_bind_cannot_be_reached(
+    sb: Sandboxes, tmp_path: pathlib.Path, name: str
+) -> None:
+    wt = sb.worktree
+    kit = _kit(tmp_path, SPELLINGS[name])
+    kind = socket.SOCK_SEQPACKET if name == "seqpacket" else socket.SOCK_STREAM
+    with host_listener(wt / "host.sock", kind) as host:
+        handle = sb.launch(
+            bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}]
+        )
+        result = await sb.sh(handle, f"/usr/bin/python3 {kit}/run.py {wt} {kit}/attack.py 2>&1")
+        out = output(result)
+    assert "RESULT=refused [Errno 13]" in out, out
+    assert host.contacts == 0, out
+    refusals = [(v.action, v.target) for v in handle.violations]
+    judged = "alias.sock" if name == "hard-link" else "host.sock"  # the name it was reached by
+    assert refusals == [("network-outbound", f"{wt}/{judged}")], (refusals, out)
+
+
+async def test_a_host_datagram_socket_cannot_be_connected_to(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    wt = sb.worktree
+    kit = _kit(tmp_path, (
+        "c = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); c.connect('host.sock')\n"
+        "c.send(b'x')"
+    ))  # fmt: skip
+    with host_listener(wt / "host.sock", socket.SOCK_DGRAM) as host:
+        handle = sb.launch(
+            bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}]
+        )
+        result = await sb.sh(handle, f"/usr/bin/python3 {kit}/run.py {wt} {kit}/attack.py 2>&1")
+    out = output(result)
+    assert "RESULT=refused [Errno 13]" in out, out
+    assert host.contacts == 0, out
+
+
+async def test_sockets_of_the_sandbox_itself_keep_working(sb: Sandboxes) -> None:
+    # A listener bound inside (in the worktree too), a socketpair, an abstract socket, TCP on
+    # loopback, a blocking and a non-blocking connect.
+    wt = sb.worktree
+    handle = sb.launch()
+    script = (
+        "import socket, os\n"
+        f"os.chdir({str(wt)!r})\n"
+        "for path in ('/tmp/in.sock', 'in.sock'):\n"
+        "    s = socket.socket(socket.AF_UNIX); s.bind(path); s.listen()\n"
+        "    c = socket.socket(socket.AF_UNIX); c.connect(path); a, _ = s.accept()\n"
+        "    c.sendall(b'ping'); assert a.recv(4) == b'ping'\n"
+        "x, y = socket.socketpair(); x.sendall(b'p'); assert y.recv(1) == b'p'\n"
+        "s = socket.socket(socket.AF_UNIX); s.bind('\\0cc-abstract'); s.listen()\n"
+        "socket.socket(socket.AF_UNIX).connect('\\0cc-abstract')\n"
+        "t = socket.socket(); t.bind(('127.0.0.1', 0)); t.listen()\n"
+        "socket.create_connection(t.getsockname()).close()\n"
+        "n = socket.socket(); n.setblocking(False)\n"
+        "try:\n"
+        "    n.connect(t.getsockname())\n"
+        "except BlockingIOError:\n"
+        "    pass\n"
+        "print('all ok')\n"
+    )
+    result = await sb.sh(handle, f"/usr/bin/python3 -c {shlex.quote(script)}")
+    out = output(result)
+    assert result.exit_code == 0 and "all ok" in out, out
+    assert handle.violations == [], handle.violations
+
+
+async def test_a_bind_that_allows_host_listeners_lets_them_be_reached(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    kit = _kit(tmp_path, f"socket.socket(socket.AF_UNIX).connect({str(allowed)!r} + '/b.sock')")
+    with host_listener(allowed / "b.sock") as host:
+        handle = sb.launch(bindMounts=[
+            {"hostPath": str(sb.worktree)}, {"hostPath": str(kit), "readOnly": True},
+            {"hostPath": str(allowed), "readOnly": True, "hostSockets": True},
+        ])  # fmt: skip
+        result = await sb.sh(
+            handle, f"/usr/bin/python3 {kit}/run.py {sb.worktree} {kit}/attack.py 2>&1"
+        )
+        out = output(result)
+        for _ in range(50):
+            if host.contacts:
+                break
+            await asyncio.sleep(0.02)
+    assert "RESULT=done" in out, out
+    assert host.contacts == 1, out
+    assert handle.violations == [], handle.violations
+
+
+async def test_a_killed_connector_refuses_connects_and_never_hangs(sb: Sandboxes) -> None:
+    # Everything inside is killed (the connector too): a connect then fails, it does not wait.
+    handle = sb.launch()
+    script = (
+        "kill -9 -1 2>/dev/null; sleep 0.2; "
+        '/usr/bin/python3 -c "import socket\n'
+        "s = socket.socket(socket.AF_UNIX); s.bind('/tmp/x.sock'); s.listen()\n"
+        "try:\n"
+        "    socket.socket(socket.AF_UNIX).connect('/tmp/x.sock'); print('connected')\n"
+        "except OSError as e:\n"
+        "    print('refused', e.errno)\""
+    )
+    result = await sb.sh(handle, script, timeout_s=30)
+    out = output(result)
+    assert "refused" in out or "connected" in out, out  # an answer, within the timeout
+
+
+@pytest.fixture
+def user_dir(other_user: OtherUser) -> Iterator[pathlib.Path]:
+    path = other_user.workdir()
+    yield path
+    remove(path)
+
+
+def test_as_an_unprivileged_user_a_host_listener_stays_out(
+    other_user: OtherUser, user_dir: pathlib.Path
+) -> None:
+    with host_listener(user_dir / "host.sock") as host:
+        os.chown(user_dir / "host.sock", other_user.uid, other_user.gid)
+        done = other_user.run(
+            ["/usr/bin/python3", "-m", "cc_server.cli", "run", "--bind", str(user_dir),
+             "--workdir", str(user_dir), "--", "/usr/bin/python3", "-c",
+             "import socket\ntry:\n    socket.socket(socket.AF_UNIX).connect('host.sock')\n"
+             "    print('CONNECTED')\nexcept OSError as e:\n    print('refused', e.errno)"],
+            cwd=user_dir, env={"CC_SERVER_DAEMON": "off"},
+        )  # fmt: skip
+    assert "refused 13" in done.stdout, (done.stdout, done.stderr)
+    assert host.contacts == 0
+    assert "network-outbound" in done.stderr, done.stderr
