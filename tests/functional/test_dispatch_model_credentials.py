@@ -145,7 +145,28 @@ async def test_only_the_model_host_is_terminated_and_a_revoked_sentinel_gets_not
             # ... and there the sentinel becomes the real key.
             assert "status=200" in await ask(broker.ca_file, model_url)
             assert _keys(model) == [REAL_KEY]
+            # A method that would echo the request (the key) back is not relayed.
+            trace = await run.harness.run(
+                f"curl -sS --noproxy '' -o /dev/null -w 'status=%{{http_code}}' -X TRACE "
+                f"--cacert {broker.ca_file} -H 'x-api-key: {broker.sentinel}' {model_url}/")
+            assert "status=405" in trace.stdout, trace
+            assert _keys(model) == [REAL_KEY]
             # Revoked (as at teardown): the connection is closed, nothing reaches the API.
             broker.revoke()
             assert "status=200" not in await ask(broker.ca_file, model_url)
             assert _keys(model) == [REAL_KEY]
+
+
+async def test_without_a_sandbox_there_is_no_broker_and_no_key(
+    tmp_path: pathlib.Path, probe_result: ProbeResult
+) -> None:
+    egress = OperatorEgress.build([], {"ANTHROPIC_BASE_URL": "https://127.0.0.1:9"})
+    key_file = tmp_path / "model.key"
+    key_file.write_text(REAL_KEY)
+    creds = ModelCredentials.from_env({KEY_FILE_ENV: str(key_file)}, egress)
+    async with open_dispatch(tmp_path, probe_result, sandbox_on=False, operator_egress=egress,
+                             model_credentials=creds) as d:
+        wt = d.worktrees.create("r", "c1")
+        run = await d.service.open_run(worktree_id=wt.worktree_id, agent=AgentKind.CLAUDE)
+        assert run.backend.value == "none" and run.model is None
+        assert "ANTHROPIC_API_KEY" not in run.env and REAL_KEY not in json.dumps(run.env)

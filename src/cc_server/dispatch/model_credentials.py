@@ -82,6 +82,9 @@ READ_BYTES: Final = 64 * 1024  # one read of either side
 IDLE_TIMEOUT_S: Final = 600.0  # no byte either way for this long closes the connection
 TLS_HANDSHAKE_TIMEOUT_S: Final = 30.0  # each side's handshake
 CERT_VALIDITY: Final = datetime.timedelta(days=1)  # the session CA and leaf (a run is shorter)
+# The methods relayed with the key: what a model API is called with. TRACE (a server that
+# supports it echoes the request's headers, the key among them) and the rest get 405.
+RELAYED_METHODS: Final = frozenset({b"GET", b"POST", b"HEAD", b"DELETE", b"PUT", b"PATCH"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -327,6 +330,13 @@ class ModelBroker:
             event = await self._next(agent, a_reader)
             if not isinstance(event, h11.Request):
                 return  # the agent closed between requests (ConnectionClosed)
+            if event.method.upper() not in RELAYED_METHODS:
+                a_writer.write(agent.send(h11.Response(
+                    status_code=405, headers=[(b"content-length", b"0"), (b"connection", b"close")],
+                    reason=b"Method Not Allowed")) or b"")
+                a_writer.write(agent.send(h11.EndOfMessage()) or b"")
+                await a_writer.drain()
+                return
             self.requests += 1
             u_writer.write(up.send(h11.Request(
                 method=event.method, target=event.target,
