@@ -186,3 +186,20 @@ try:
 except OSError as exc:
     print('RESULT=refused', exc)
 """
+
+
+async def run_attack(
+    sb: Sandboxes, tmp_path: pathlib.Path, body: str, *, binds: list[dict[str, Any]] | None = None
+) -> tuple[SandboxHandle, str]:
+    """Run the Python attack `body` (see ATTACK_RUNNER) in the worktree of a sandbox that binds
+    it and the attack kit (read-only) and `binds`; the handle (for its violations) and output."""
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    (kit / "run.py").write_text(ATTACK_RUNNER)
+    (kit / "attack.py").write_text(body + "\n")
+    wt = sb.worktree
+    handle = sb.launch(bindMounts=[
+        {"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}, *(binds or []),
+    ])  # fmt: skip
+    result = await sb.sh(handle, f"/usr/bin/python3 {kit}/run.py {wt} {kit}/attack.py 2>&1")
+    return handle, output(result)

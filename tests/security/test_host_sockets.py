@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from escape_kit import ATTACK_RUNNER, Sandboxes, output
+from escape_kit import Sandboxes, output, run_attack
 from other_user import OtherUser, remove
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -108,27 +108,14 @@ SPELLINGS: dict[str, str] = {
 }  # fmt: skip
 
 
-def _kit(tmp_path: pathlib.Path, body: str) -> pathlib.Path:
-    kit = tmp_path / "kit"
-    kit.mkdir()
-    (kit / "run.py").write_text(ATTACK_RUNNER)
-    (kit / "attack.py").write_text("import socket\n" + body + "\n")
-    return kit
-
-
 @pytest.mark.parametrize("name", sorted(SPELLINGS))
 async def test_a_host_listener_in_a_bind_cannot_be_reached(
     sb: Sandboxes, tmp_path: pathlib.Path, name: str
 ) -> None:
     wt = sb.worktree
-    kit = _kit(tmp_path, SPELLINGS[name])
     kind = socket.SOCK_SEQPACKET if name == "seqpacket" else socket.SOCK_STREAM
     with host_listener(wt / "host.sock", kind) as host:
-        handle = sb.launch(
-            bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}]
-        )
-        result = await sb.sh(handle, f"/usr/bin/python3 {kit}/run.py {wt} {kit}/attack.py 2>&1")
-        out = output(result)
+        handle, out = await run_attack(sb, tmp_path, "import socket\n" + SPELLINGS[name])
     assert "RESULT=refused [Errno 13]" in out, out
     assert host.contacts == 0, out
     refusals = [(v.action, v.target) for v in handle.violations]
@@ -139,17 +126,12 @@ async def test_a_host_listener_in_a_bind_cannot_be_reached(
 async def test_a_host_datagram_socket_cannot_be_connected_to(
     sb: Sandboxes, tmp_path: pathlib.Path
 ) -> None:
-    wt = sb.worktree
-    kit = _kit(tmp_path, (
-        "c = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM); c.connect('host.sock')\n"
-        "c.send(b'x')"
-    ))  # fmt: skip
-    with host_listener(wt / "host.sock", socket.SOCK_DGRAM) as host:
-        handle = sb.launch(
-            bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}]
-        )
-        result = await sb.sh(handle, f"/usr/bin/python3 {kit}/run.py {wt} {kit}/attack.py 2>&1")
-    out = output(result)
+    body = (
+        "import socket\nc = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)\n"
+        "c.connect('host.sock'); c.send(b'x')"
+    )
+    with host_listener(sb.worktree / "host.sock", socket.SOCK_DGRAM) as host:
+        _handle, out = await run_attack(sb, tmp_path, body)
     assert "RESULT=refused [Errno 13]" in out, out
     assert host.contacts == 0, out
 
@@ -189,16 +171,14 @@ async def test_a_bind_that_allows_host_listeners_lets_them_be_reached(
 ) -> None:
     allowed = tmp_path / "allowed"
     allowed.mkdir()
-    kit = _kit(tmp_path, f"socket.socket(socket.AF_UNIX).connect({str(allowed)!r} + '/b.sock')")
+    body = f"import socket\nsocket.socket(socket.AF_UNIX).connect({str(allowed)!r} + '/b.sock')"
     with host_listener(allowed / "b.sock") as host:
-        handle = sb.launch(bindMounts=[
-            {"hostPath": str(sb.worktree)}, {"hostPath": str(kit), "readOnly": True},
-            {"hostPath": str(allowed), "readOnly": True, "hostSockets": True},
-        ])  # fmt: skip
-        result = await sb.sh(
-            handle, f"/usr/bin/python3 {kit}/run.py {sb.worktree} {kit}/attack.py 2>&1"
+        handle, out = await run_attack(
+            sb,
+            tmp_path,
+            body,
+            binds=[{"hostPath": str(allowed), "readOnly": True, "hostSockets": True}],
         )
-        out = output(result)
         for _ in range(50):
             if host.contacts:
                 break

@@ -21,7 +21,7 @@ import stat
 import subprocess
 
 import pytest
-from escape_kit import ATTACK_RUNNER, Sandboxes, output
+from escape_kit import Sandboxes, output, run_attack
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -122,15 +122,9 @@ async def test_an_existing_protected_file_cannot_be_changed(
 ) -> None:
     wt = sb.worktree
     _plant(wt)
-    kit = tmp_path / "kit"
-    kit.mkdir()
-    (kit / "run.py").write_text(ATTACK_RUNNER)
     body, action, rel = ATTACKS[name]
-    (kit / "attack.py").write_text(body + "\n")
     before = _state(wt)
-    handle = sb.launch(bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}])
-    result = await sb.sh(handle, f"/usr/bin/python3 {kit}/run.py {wt} {kit}/attack.py 2>&1")
-    out = output(result)
+    handle, out = await run_attack(sb, tmp_path, body)
     assert "RESULT=refused [Errno 13]" in out, out  # EACCES
     assert _state(wt) == before, out
     refusals = [(v.action, v.target) for v in handle.violations]

@@ -2372,6 +2372,50 @@ static void do_fchmod(struct req *q, int fd, mode_t mode) {
     respond(q->s, q->n->id, 0, err);
 }
 
+/* The arguments of bind or connect: the address copied (and the call checked still live), the
+ * task's own socket (a dup, through its pidfd) and its family. False when the call has been
+ * answered (or is gone). */
+static bool socket_call(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen,
+                        struct sockaddr_storage *addr, int *sock, int *domain) {
+    struct ccs *s = q->s;
+    memset(addr, 0, sizeof *addr);
+    if (addrlen > sizeof *addr || addrlen < sizeof(sa_family_t)) {
+        if (id_valid(s, q->n->id))
+            respond(s, q->n->id, 0, EINVAL);
+        return false;
+    }
+    int err = copy_bytes(q->n->pid, addr_ptr, addr, (size_t)addrlen);
+    if (err == ESRCH || !id_valid(s, q->n->id))
+        return false;
+    if (err) {
+        respond(s, q->n->id, 0, err);
+        return false;
+    }
+    int pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, PIDFD_THREAD);
+    if (pidfd < 0 && errno == EINVAL) /* before 6.9: only a thread-group leader has a pidfd */
+        pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, 0);
+    if (pidfd < 0) {
+        report_error(q, "", "pidfd_open: %s", strerror(errno));
+        respond(s, q->n->id, 0, EPERM);
+        return false;
+    }
+    *sock = (int)syscall(SYS_pidfd_getfd, pidfd, sockfd, 0);
+    err = *sock < 0 ? errno : 0;
+    close(pidfd);
+    if (err) {
+        respond(s, q->n->id, 0, err == ESRCH ? EBADF : err);
+        return false;
+    }
+    socklen_t dlen = sizeof *domain;
+    if (getsockopt(*sock, SOL_SOCKET, SO_DOMAIN, domain, &dlen) < 0) {
+        err = errno;
+        close(*sock);
+        respond(s, q->n->id, 0, err);
+        return false;
+    }
+    return true;
+}
+
 /* --- connect: no host listener ------------------------------------------------------------ */
 
 /* The request and reply of launcher.c's connector. */
@@ -2544,44 +2588,17 @@ static void *conn_main(void *arg) {
  * for a non-blocking socket of another family, here (the socket keeps its own namespace). */
 static void do_connect(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen) {
     struct ccs *s = q->s;
-    struct sockaddr_storage addr;
-    memset(&addr, 0, sizeof addr);
-    if (addrlen > sizeof addr || addrlen < sizeof(sa_family_t)) {
-        if (id_valid(s, q->n->id))
-            respond(s, q->n->id, 0, EINVAL);
-        return;
-    }
-    int err = copy_bytes(q->n->pid, addr_ptr, &addr, (size_t)addrlen);
-    if (err == ESRCH || !id_valid(s, q->n->id))
-        return;
-    if (err) {
-        respond(s, q->n->id, 0, err);
-        return;
-    }
     if (s->conn_fd < 0) {
-        report_error(q, "", "no connector from the launcher");
-        respond(s, q->n->id, 0, EPERM);
-        return;
-    }
-    int sock = q->pidfd >= 0 ? (int)syscall(SYS_pidfd_getfd, q->pidfd, sockfd, 0) : -1;
-    if (sock < 0) {
-        int pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, 0);
-        if (pidfd >= 0) {
-            sock = (int)syscall(SYS_pidfd_getfd, pidfd, sockfd, 0);
-            close(pidfd);
+        if (id_valid(s, q->n->id)) {
+            report_error(q, "", "no connector from the launcher");
+            respond(s, q->n->id, 0, EPERM);
         }
-    }
-    if (sock < 0) {
-        respond(s, q->n->id, 0, errno == ESRCH ? EBADF : errno);
         return;
     }
-    int domain = 0;
-    socklen_t dlen = sizeof domain;
-    if (getsockopt(sock, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) < 0) {
-        close(sock);
-        respond(s, q->n->id, 0, errno == ENOTSOCK ? ENOTSOCK : errno);
+    struct sockaddr_storage addr;
+    int sock, domain, err;
+    if (!socket_call(q, sockfd, addr_ptr, addrlen, &addr, &sock, &domain))
         return;
-    }
     struct sockaddr_un *un = (struct sockaddr_un *)&addr;
     size_t path_off = offsetof(struct sockaddr_un, sun_path);
     if (domain == AF_UNIX && addr.ss_family == AF_UNIX && addrlen > path_off &&
@@ -2640,42 +2657,9 @@ static void do_connect(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t ad
 static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen) {
     struct ccs *s = q->s;
     struct sockaddr_storage addr;
-    memset(&addr, 0, sizeof addr);
-    if (addrlen > sizeof addr || addrlen < sizeof(sa_family_t)) {
-        if (id_valid(s, q->n->id))
-            respond(s, q->n->id, 0, EINVAL);
+    int sock, domain, err;
+    if (!socket_call(q, sockfd, addr_ptr, addrlen, &addr, &sock, &domain))
         return;
-    }
-    int err = copy_bytes(q->n->pid, addr_ptr, &addr, (size_t)addrlen);
-    if (err == ESRCH || !id_valid(s, q->n->id))
-        return;
-    if (err) {
-        respond(s, q->n->id, 0, err);
-        return;
-    }
-    int pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, PIDFD_THREAD);
-    if (pidfd < 0 && errno == EINVAL) /* before 6.9: only a thread-group leader has a pidfd */
-        pidfd = (int)syscall(SYS_pidfd_open, q->n->pid, 0);
-    if (pidfd < 0) {
-        report_error(q, "", "pidfd_open: %s", strerror(errno));
-        respond(s, q->n->id, 0, EPERM);
-        return;
-    }
-    int sock = (int)syscall(SYS_pidfd_getfd, pidfd, sockfd, 0);
-    err = sock < 0 ? errno : 0;
-    close(pidfd);
-    if (err) {
-        respond(s, q->n->id, 0, err == ESRCH ? EBADF : err);
-        return;
-    }
-    int domain = 0;
-    socklen_t dlen = sizeof domain;
-    if (getsockopt(sock, SOL_SOCKET, SO_DOMAIN, &domain, &dlen) < 0) {
-        err = errno;
-        close(sock);
-        respond(s, q->n->id, 0, err);
-        return;
-    }
     struct sockaddr_un *un = (struct sockaddr_un *)&addr;
     size_t path_off = offsetof(struct sockaddr_un, sun_path);
     if (domain == AF_UNIX && addr.ss_family == AF_UNIX && addrlen > path_off &&
