@@ -243,3 +243,54 @@ async def test_a_dispatch_runs_egress_changes_through_the_dispatch_api(
                 await http_client.delete(f"/v1/dispatches/{run_id}")
         logged = [e for e in server.log() if e.get("event") == "sandbox.egress"]
         assert [(e.get("by"), e.get("runId")) for e in logged] == [("dispatch", run_id)] * 3
+
+
+async def test_the_egress_stream_shows_and_answers_a_sessions_requests(
+    server: Server, client: aiohttp.ClientSession, upstream_port: int, tmp_path: pathlib.Path
+) -> None:
+    # A command run with the collected exec (no WebSocket of its own) is held; the session's
+    # egress stream sees the request and answers it.
+    sid = f"egress-{secrets.token_hex(6)}"
+    spec = {"sessionId": sid, "workspaceId": "w", "bindMounts": [{"hostPath": str(tmp_path)}],
+            "egressAllowlist": ["127.0.0.1", "::1"]}
+    async with client.post("/v1/sandboxes", json={"spec": spec, "egress": "ask"}) as response:
+        assert response.status == 201
+    frames: list[dict[str, Any]] = []
+    try:
+        async with aiohttp.ClientSession(headers=server.auth) as session, session.ws_connect(
+            f"{server.ws_url}/v1/sandboxes/{sid}/egress/ws"
+        ) as ws:
+            first = await ws.receive_json(timeout=10)
+            assert first["type"] == "egress" and first["asking"] and first["requests"] == []
+            exec_body = {"argv": ["/bin/sh", "-c", f"{CURL} http://localhost:{upstream_port}/"],
+                         "timeoutS": 30}
+            done = asyncio.ensure_future(client.post(f"/v1/sandboxes/{sid}/exec", json=exec_body))
+            request = await ws.receive_json(timeout=20)
+            assert request["type"] == "egress-request", request
+            await ws.send_json({"egressAnswer": {"id": request["request"]["id"],
+                                                 "answer": "session"}})
+            changed = await ws.receive_json(timeout=10)
+            assert changed["type"] == "egress-changed", changed
+            assert changed["egress"] == {"added": [f"localhost:{upstream_port}"], "removed": [],
+                                         "by": "approval"}
+            result = await (await done).json()
+            assert result["stdout"] == "200", result
+            async with client.patch(f"/v1/sandboxes/{sid}/egress",
+                                    json={"remove": [f"localhost:{upstream_port}"],
+                                          "ask": False}) as resp:
+                assert resp.status == 200
+            frames.append(await ws.receive_json(timeout=10))
+            refused = await (await client.post(f"/v1/sandboxes/{sid}/exec", json=exec_body)).json()
+            assert refused["stdout"] == "403", refused
+            frames.append(await ws.receive_json(timeout=10))
+            await ws.send_json({"egressAnswer": {"id": "nope", "answer": "once"}})
+            frames.append(await ws.receive_json(timeout=10))
+            async with client.delete(f"/v1/sandboxes/{sid}"):
+                pass
+            closed = await ws.receive(timeout=10)
+            assert closed.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
+        assert [f["type"] for f in frames] == ["egress-changed", "violation", "error"], frames
+        assert frames[1]["violation"]["target"] == f"localhost:{upstream_port}"
+    finally:
+        async with client.delete(f"/v1/sandboxes/{sid}"):
+            pass

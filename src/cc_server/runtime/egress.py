@@ -158,6 +158,9 @@ class SessionEgress:
         self._on_change = on_change
         self._on_request = on_request
         self._ask_timeout_s: float | None = None
+        # Told of each change and each request too, after on_change / on_request (a session's
+        # egress stream on the API); one that raises is logged and the rest still run.
+        self.watchers: list[Callable[[EgressChanged | EgressRequest], None]] = []
         self._pending: dict[str, tuple[EgressRequest, asyncio.Future[Answer]]] = {}
         self._suggest = suggest
         self._advice = advice or default_advice
@@ -210,7 +213,15 @@ class SessionEgress:
             )
             if self._on_change is not None:
                 self._on_change(event)
+            self._tell_watchers(event)
         return event
+
+    def _tell_watchers(self, item: EgressChanged | EgressRequest) -> None:
+        for watcher in list(self.watchers):
+            try:
+                watcher(item)
+            except Exception:
+                log.exception("egress %s: a watcher failed", self.session_id)
 
     def allow(self, *entries: str, by: str = "library") -> EgressChanged:
         """Add entries (`host`, `host:443`, ...) to the running session's allowlist; see
@@ -307,6 +318,7 @@ class SessionEgress:
         try:
             if self._on_request is not None:
                 self._on_request(request)
+            self._tell_watchers(request)
             return await self._wait(request, future, timeout_s)
         finally:
             self._pending.pop(request.id, None)

@@ -77,6 +77,8 @@ class EgressPort(Protocol):
 
     allowlist: Allowlist
     """The allowlist the next connection is checked against (its deny list included)."""
+    watchers: list[Callable[[EgressChanged | EgressRequest], None]]
+    """Told of each change and each request (see runtime.egress)."""
 
     @property
     def entries(self) -> tuple[str, ...]:

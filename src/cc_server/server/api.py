@@ -26,15 +26,23 @@ from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, Enforce
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
 from cc_server.policy.spec import check_absolute
-from cc_server.runtime.events import EventType, SandboxEvent
+from cc_server.runtime.events import (
+    EgressChanged,
+    EgressRequest,
+    EventType,
+    SandboxEvent,
+    SandboxState,
+    SandboxViolation,
+)
 from cc_server.runtime.handle import Execution, SandboxHandle
-from cc_server.server.egress_api import answer_request, change_egress, egress_view
+from cc_server.server.egress_api import answer_request, change_egress, egress_of, egress_view
 from cc_server.server.exec_result import send_exec_result
 from cc_server.server.logs import log_event
 from cc_server.server.models import (
     CreateSandboxWire,
     EgressAnswerRequest,
     EgressChangeRequest,
+    EgressStreamInput,
     ExecRequest,
     ExecStreamInput,
 )
@@ -255,6 +263,87 @@ async def answer_egress_request(request: web.Request) -> web.StreamResponse:
         raise _Refused(404, "NotFound", exc.message, exc.fix) from None
     except CcServerError as exc:
         _refuse_error(exc)
+
+
+# Frames a slow egress-stream client has not taken yet; past it new ones are dropped (the
+# allowlist and the waiting requests stay readable with GET .../egress).
+EGRESS_STREAM_QUEUE: Final = 256
+EGRESS_STREAM_POLL_S: Final = 1.0  # how often the stream checks that its sandbox still lives
+
+
+@routes.get("/v1/sandboxes/{id}/egress/ws")
+async def egress_stream(request: web.Request) -> web.StreamResponse:
+    """The sandbox's egress as it happens: a snapshot (`egress`), then `egress-changed`,
+    `egress-request` and `violation` frames; `{"egressAnswer": {id, answer}}` answers a request.
+    Closes when the sandbox is destroyed."""
+    ws = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, timeout=WS_CLOSE_TIMEOUT_S)
+    await ws.prepare(request)
+    try:
+        handle = _handle(_state(request), request.match_info["id"])
+        try:
+            egress, snapshot = egress_of(handle), egress_view(handle)
+        except CcServerError as exc:
+            _refuse_error(exc)
+    except _Refused as refused:
+        await _ws_refuse(ws, refused.status, refused.body)
+        return ws
+    frames: asyncio.Queue[dict[str, object]] = asyncio.Queue(EGRESS_STREAM_QUEUE)
+
+    def push(frame: dict[str, object]) -> None:
+        with contextlib.suppress(asyncio.QueueFull):
+            frames.put_nowait(frame)
+
+    def watch(item: EgressChanged | EgressRequest) -> None:
+        if isinstance(item, EgressChanged):
+            push({"type": "egress-changed", "sessionId": handle.session_id,
+                  "egress": item.to_json()})
+        else:
+            push({"type": "egress-request", "sessionId": handle.session_id,
+                  "request": item.to_json()})
+
+    def violated(violation: SandboxViolation) -> None:
+        push({"type": "violation", "sessionId": handle.session_id,
+              "violation": violation.to_json()})
+
+    async def send() -> None:
+        await ws.send_str(json.dumps({"type": "egress", "sessionId": handle.session_id,
+                                      **snapshot}))
+        while handle.state is not SandboxState.DESTROYED:
+            try:
+                async with asyncio.timeout(EGRESS_STREAM_POLL_S):
+                    frame = await frames.get()
+            except TimeoutError:
+                continue
+            await ws.send_str(json.dumps(frame))
+
+    async def receive() -> None:
+        async for msg in ws:
+            if msg.type is not WSMsgType.TEXT:
+                continue
+            try:
+                cmd = msgspec.json.decode(msg.data, type=EgressStreamInput)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                await ws.send_str(json.dumps({"type": "error", "error": "BadRequest",
+                                              "message": str(exc), "fix": None}))
+                continue
+            await _ws_answer(ws, handle, cmd.egress_answer)
+
+    egress.watchers.append(watch)
+    handle.violation_listeners.append(violated)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            sender = tg.create_task(send(), name=f"egress stream {handle.session_id} send")
+            receiver = tg.create_task(receive(), name=f"egress stream {handle.session_id} recv")
+            await asyncio.wait([sender, receiver], return_when=asyncio.FIRST_COMPLETED)
+            sender.cancel()
+            receiver.cancel()
+    except* ConnectionError:
+        pass  # the client went away
+    finally:
+        egress.watchers.remove(watch)
+        handle.violation_listeners.remove(violated)
+    await ws.close()
+    return ws
 
 
 def _vm(request: web.Request) -> MicroVMHandle:

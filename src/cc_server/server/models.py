@@ -18,6 +18,7 @@ __all__ = [
     "EgressChangeRequest",
     "EgressChangedView",
     "EgressRequestView",
+    "EgressStreamInput",
     "EgressView",
     "ErrorBody",
     "ExecRequest",
@@ -122,6 +123,12 @@ class EgressRequestView(_Body, frozen=True):
     entry: str  # what `session` adds to the allowlist: exactly host:port
     timeout_s: float  # no answer in this time is a denial, reported as a violation
     commands: list[list[str]]  # the argv of each command running when it was asked
+
+
+class EgressStreamInput(_Body, frozen=True):
+    """A client message on the egress WebSocket (GET /v1/sandboxes/{id}/egress/ws)."""
+
+    egress_answer: EgressAnswerRequest  # answer an egress-request (by its id)
 
 
 class EgressView(_Body, frozen=True, omit_defaults=True):

@@ -13,6 +13,7 @@ from cc_server.server.models import (
     EgressAnswerRequest,
     EgressChangeRequest,
     EgressRequestView,
+    EgressStreamInput,
     EgressView,
     ErrorBody,
     ExecRequest,
@@ -38,6 +39,7 @@ _MODELS: Final = (
     EgressAnswerRequest,
     EgressChangeRequest,
     EgressRequestView,
+    EgressStreamInput,
     EgressView,
     ErrorBody,
     ExecRequest,
@@ -146,6 +148,20 @@ def _paths() -> dict[str, Any]:
                 ),
                 "responses": {"101": {"description": "switching to WebSocket"},
                               **_errors(401, 404)},
+            },
+        },
+        "/v1/sandboxes/{id}/egress/ws": {
+            "parameters": [_ID_PARAM],
+            "get": {
+                "summary": "The sandbox's egress as it happens, over a WebSocket",
+                "description": (
+                    "First an `egress` frame (an EgressView), then `egress-changed`, "
+                    "`egress-request` and `violation` frames (SandboxEventView fields) for the "
+                    "whole session, whichever command caused them. Client messages are "
+                    "EgressStreamInput (answer a request). Closes when the sandbox is destroyed."
+                ),
+                "responses": {"101": {"description": "switching to WebSocket"},
+                              **_errors(401, 404, 409)},
             },
         },
         "/v1/sandboxes/{id}/kill": {
