@@ -42,12 +42,20 @@ def test_operator_settings_come_from_the_environment(tmp_path: pathlib.Path) -> 
     assert explicit.agent_dirs == ("/a", "/b") and explicit.state_base == "/srv/d/runs"
     nothing, _, none_token = config_from_env({"HOME": str(tmp_path)})
     assert (nothing.claude_path, nothing.acp_agent, none_token) == (None, None, None)
+    assert nothing.model_credentials is None
+    (tmp_path / "model.key").write_text("sk-operator\n")
+    keyed, _, _ = config_from_env({**env, "CC_SERVER_MODEL_KEY_FILE": f"{tmp_path}/model.key",
+                                   "ANTHROPIC_BASE_URL": "https://gw.example:8443"})
+    assert keyed.model_credentials is not None
+    assert (keyed.model_credentials.host, keyed.model_credentials.port) == ("gw.example", 8443)
 
 
 @pytest.mark.parametrize("env", [
     {"CC_SERVER_CLAUDE_PATH": "claude"},
     {"CC_SERVER_ACP_AGENT": "node 'unclosed"},
     {"CC_SERVER_DISPATCH_DIR": "relative/dir"},
+    {"CC_SERVER_MODEL_KEY_FILE": "relative/key"},
+    {"CC_SERVER_MODEL_KEY_FILE": "/nonexistent/key"},
 ])
 def test_bad_operator_settings_are_refused(env: dict[str, str]) -> None:
     with pytest.raises(BadSpec):
