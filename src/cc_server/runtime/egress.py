@@ -392,6 +392,10 @@ class SessionEgress:
                     await proxies.aclose()
                 shutil.rmtree(directory, ignore_errors=True)
                 raise
+            # A change or `ask` while the monitor started went to self only: the proxies
+            # take the session's state as it is now.
+            proxies.set_allowlist(self.allowlist)
+            proxies.set_asker(self._asked if self._ask_timeout_s is not None else None)
             self._proxies, self._dir = proxies, directory
         assert self._dir is not None and self._proxies is not None
         return EgressBridge(
