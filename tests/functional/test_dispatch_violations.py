@@ -22,7 +22,7 @@ from cc_server.dispatch.acp import start_acp
 from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.guardrails import Action, ActionRefused
 from cc_server.dispatch.service import AgentKind
-from cc_server.dispatch.violations import NOTICE_PREFIX
+from cc_server.dispatch.violations import NOTICE_FILE, NOTICE_PREFIX
 from cc_server.egress.operator import OperatorEgress
 from cc_server.policy import Mode
 
@@ -112,6 +112,13 @@ async def test_claude_codes_own_state_is_no_violation_and_the_globs_still_hold_e
             refused = sorted(v.target.rsplit("/", 1)[-1] for v in done.violations)
             assert refused == ["moved.key", "wt.key"], done
             assert not pathlib.Path(wt.path, "moved.key").exists()
+            # Those were told in the bash output; the agent's next call starts without them.
+            assert pathlib.Path(run.state_dir, NOTICE_FILE).exists()
+            model.steps.append(ToolStep("Bash", {"command": "echo fine", "description": "d"}))
+            again = await run_claude(run, ["-p", "hi", "--allowedTools", "Bash"], timeout_s=120,
+                                     env=QUIET)
+            assert again.exit_code == 0 and again.violations == (), again
+            assert model.feedback == ["fine"], model.feedback
 
 
 @pytest.mark.parametrize("model_api", [[

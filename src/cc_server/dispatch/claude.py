@@ -80,6 +80,7 @@ async def run_claude(
         added = {name: checked[name] for name in env}
     settings: tuple[str, ...] = ()
     if run.notices is not None:
+        run.notices.clear()
         roots = [m.guest_path for m in run.handle.policy.mounts if m.writable]
         hooks = hook_settings(run.state_dir, write_roots=roots)
         settings = ("--settings", json.dumps(hooks, separators=(",", ":")))

@@ -20,6 +20,7 @@ those refusals are not here, which `docs/dispatch.md` says.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
@@ -278,6 +279,13 @@ class NoticeFile:
             return
         finally:
             os.close(fd)
+
+    def clear(self) -> None:
+        """Drop the notices no hook has taken (what was refused before this call of the agent:
+        its model hears of what happens while it runs)."""
+        if self._dir_fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(NOTICE_FILE, dir_fd=self._dir_fd)
 
     def close(self) -> None:
         """Stop writing. Idempotent."""
