@@ -24,6 +24,7 @@ from cc_server.dispatch.guardrails import Action, ActionRefused
 from cc_server.dispatch.service import AgentKind
 from cc_server.dispatch.violations import NOTICE_FILE, NOTICE_PREFIX
 from cc_server.egress.operator import OperatorEgress
+from cc_server.errors import BadSpec
 from cc_server.policy import Mode
 
 pytestmark = pytest.mark.integration
@@ -119,6 +120,9 @@ async def test_claude_codes_own_state_is_no_violation_and_the_globs_still_hold_e
                                      env=QUIET)
             assert again.exit_code == 0 and again.violations == (), again
             assert model.feedback == ["fine"], model.feedback
+            for option in ("--settings={}", "--bare"):  # they would drop the run's hooks
+                with pytest.raises(BadSpec, match="the run's settings"):
+                    await run_claude(run, ["-p", "hi", option])
 
 
 @pytest.mark.parametrize("model_api", [[

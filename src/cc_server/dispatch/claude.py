@@ -39,6 +39,8 @@ __all__ = ["CLAUDE_TIMEOUT_S", "run_claude"]
 
 CLAUDE_TIMEOUT_S: Final = 600.0  # one non-interactive CLI invocation (`-p`), by default
 MAX_ARGS: Final = 256  # arguments a client may pass to the CLI
+# Options that would replace the run's settings or skip its hooks (`dispatch.agent_hooks`).
+RUN_OWNED_OPTIONS: Final = frozenset({"--settings", "--bare"})
 
 
 async def run_claude(
@@ -57,7 +59,8 @@ async def run_claude(
     every addition (never a secret-named variable, never a host secret's value).
 
     Raises:
-        BadSpec: the run is not a Claude Code run, or the arguments are malformed.
+        BadSpec: the run is not a Claude Code run, the arguments are malformed, or they
+            name `--settings` or `--bare` (the run's settings carry its hooks).
         EnvRefused: an added variable is named like a secret or carries a host secret.
         ActionRefused: a guardrail refused the invocation (nothing ran).
         CcServerError: the sandbox could not start it (nothing ran).
@@ -69,6 +72,13 @@ async def run_claude(
         )
     if len(args) > MAX_ARGS or any("\x00" in a for a in args):
         raise BadSpec(f"give at most {MAX_ARGS} arguments without NUL bytes")
+    taken = [a for a in args if a.split("=", 1)[0] in RUN_OWNED_OPTIONS]
+    if taken:
+        raise BadSpec(
+            f"{taken[0]!r} is the run's: cc-server passes the run's settings (its hooks tell the "
+            "model what the sandbox refused and refuse writes that would vanish)",
+            fix="leave out --settings and --bare",
+        )
     assert run.agent_argv is not None  # open_run refuses an agent that is not configured
     argv = (*run.agent_argv, *args)
     run.chain.check(
