@@ -131,7 +131,7 @@ async def test_native_dispatch_without_create_rules_fails_closed_with_the_reason
         body = await resp.json()
         assert body["error"] == "BackendUnavailable"
         assert "cannot refuse a new name inside a writable bind" in body["message"]
-        assert "disabling the sandbox is an unconfined opt-out" in body["fix"]
+        assert "scripts/bootstrap" in body["fix"] and "launch-time" in body["fix"]
         assert d.service.runs == {} and d.manager.handles == {}
 
 

@@ -54,6 +54,7 @@ from cc_server.runtime.egress import egress_base_dir
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import CollectedResult, SandboxHandle, run_collect
 from cc_server.runtime.port import SandboxManager
+from cc_server.runtime.select import WRITE_PROTECTION_ENV
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -300,19 +301,26 @@ async def open_lab(sb: Sandboxes, probe_result: ProbeResult) -> AsyncIterator[La
 
 @pytest.fixture(params=["handoff", "socat"])
 async def lab(
-    sb: Sandboxes, probe_result: ProbeResult, request: pytest.FixtureRequest
+    sb: Sandboxes, probe_result: ProbeResult, request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> AsyncIterator[Lab]:
     """Every egress test runs over both bridges: the launcher's loopback listeners handed to the
-    proxies (this host has the launcher), and the socat fallback for hosts without it."""
+    proxies (this host has the launcher), and the socat fallback for hosts without it (where a
+    launch runs only with the write policy's launch-time binds, said on purpose)."""
     if request.param == "handoff":
         assert CREATE_LAUNCHER_TOOL in probe_result.tools, "the launcher is not built"
+    else:
+        monkeypatch.setenv(WRITE_PROTECTION_ENV, "launch-time")
     chosen = probe_result if request.param == "handoff" else socat_only(probe_result)
     async with open_lab(sb, chosen) as lab:
         yield lab
 
 
 @pytest.fixture
-async def socat_lab(sb: Sandboxes, probe_result: ProbeResult) -> AsyncIterator[Lab]:
+async def socat_lab(
+    sb: Sandboxes, probe_result: ProbeResult, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[Lab]:
+    monkeypatch.setenv(WRITE_PROTECTION_ENV, "launch-time")  # a host without the launcher
     async with open_lab(sb, socat_only(probe_result)) as lab:
         yield lab
 

@@ -25,6 +25,7 @@ from cc_server.errors import BackendUnavailable
 from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, Mode, SandboxBackend, parse_spec
 from cc_server.runtime import handle as handle_module
 from cc_server.runtime.port import SandboxManager
+from cc_server.runtime.select import WRITE_PROTECTION_ENV
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -159,7 +160,12 @@ async def test_create_time_globs_without_the_supervisor_are_refused_before_anyth
         assert spy.calls == 0
         assert sorted(p.name for p in sb.worktree.iterdir()) == ["README"]
 
-        # Control: the same spec without the globs launches natively and really runs.
+        # Without the globs the default write protection still needs the supervisor: refused.
+        with pytest.raises(BackendUnavailable, match="CC_SERVER_WRITE_PROTECTION=launch-time"):
+            manager.launch(spec, backend=backend)
+        assert manager.handles == {} and spy.calls == 0
+        # Control: said on purpose, launch-time protection alone launches natively and runs.
+        monkeypatch.setenv(WRITE_PROTECTION_ENV, "launch-time")
         handle = manager.launch(spec, backend=backend)
         assert handle.backend is SandboxBackend.NATIVE
         result = await sb.sh(handle, f"echo ran > {sb.worktree}/ran.pem")

@@ -113,7 +113,9 @@ def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) 
             "create-time filename rules (see `cc-server probe`), so the run is refused rather "
             "than started with a weaker policy",
             fix="build the create-rule supervisor with scripts/bootstrap (gcc) on Linux 5.19 or "
-            "newer; disabling the sandbox is an unconfined opt-out, not an equivalent",
+            "newer; without it, only CC_SERVER_WRITE_PROTECTION=launch-time (and no "
+            "--deny-create) runs, with the launch-time read-only binds alone (names that do "
+            "not exist yet and repositories below a bind root are then not protected)",
         )
     for mount in policy.mounts:
         if mount.guest_path != mount.literal_path:

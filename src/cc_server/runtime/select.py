@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from functools import partial
-from typing import Protocol
+from typing import Final, Protocol
 
 from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
 from cc_server.backends.identity import IDENTITY_TOOL, SANDBOX_GID, SANDBOX_UID
@@ -26,10 +27,11 @@ from cc_server.backends.none import plan_none
 from cc_server.backends.plan import Planner, SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
-from cc_server.errors import BackendUnavailable
+from cc_server.errors import BackendUnavailable, BadSpec
 from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, SandboxBackend
 
 __all__ = [
+    "WRITE_PROTECTION_ENV",
     "MicroVMVerdict",
     "choose_backend",
     "microvm_unavailable",
@@ -119,14 +121,33 @@ def _create_rule_tools(probe_result: ProbeResult) -> CreateRuleTools | None:
     return CreateRuleTools(launcher=launcher, library=library)
 
 
-def protected_patterns_for(probe_result: ProbeResult) -> tuple[str, ...]:
-    """The write policy's path patterns a native launch gets by default: where bubblewrap has
-    the create-rule supervisor, it enforces them at any depth of a writable bind. A host
-    without the supervisor keeps the launch-time read-only binds only (`cc-server probe` says
-    why; docs/threat-model.md); other mechanisms have only their launch-time rules."""
-    if probe_result.mechanism == "bubblewrap" and probe_result.create_rules:
-        return PROTECTED_PATTERN_NAMES
-    return ()
+WRITE_PROTECTION_ENV: Final = "CC_SERVER_WRITE_PROTECTION"
+LAUNCH_TIME_ONLY: Final = "launch-time"
+
+
+def protected_patterns_for(
+    probe_result: ProbeResult, env: Mapping[str, str] | None = None
+) -> tuple[str, ...]:
+    """The write policy's path patterns a native launch gets by default: bubblewrap's
+    create-rule supervisor enforces them at any depth of a writable bind when a write happens.
+
+    A bubblewrap host without the supervisor gets them too, so the launch is refused
+    (`BackendUnavailable`, the fix names the build) rather than started with less. Only
+    `CC_SERVER_WRITE_PROTECTION=launch-time`, said on purpose, keeps the launch-time read-only
+    binds alone (docs/threat-model.md says what they leave open). Other mechanisms have their
+    launch-time rules only."""
+    env = os.environ if env is None else env
+    if probe_result.mechanism != "bubblewrap":
+        return ()
+    choice = env.get(WRITE_PROTECTION_ENV, "")
+    if choice == LAUNCH_TIME_ONLY:
+        return ()
+    if choice not in ("", "write-time"):
+        raise BadSpec(
+            f"{WRITE_PROTECTION_ENV}={choice!r} is not a choice",
+            fix=f"unset it (protection when a write happens), or set it to {LAUNCH_TIME_ONLY!r}",
+        )
+    return PROTECTED_PATTERN_NAMES
 
 
 def sandbox_identity(probe_result: ProbeResult) -> SandboxIdentity | None:

@@ -15,9 +15,14 @@ from cc_server.backends.none import plan_none
 from cc_server.backends.plan import SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
-from cc_server.errors import BackendUnavailable
-from cc_server.policy import HostFacts, Platform, SandboxBackend
-from cc_server.runtime.select import choose_backend, planner_for
+from cc_server.errors import BackendUnavailable, BadSpec
+from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, SandboxBackend
+from cc_server.runtime.select import (
+    WRITE_PROTECTION_ENV,
+    choose_backend,
+    planner_for,
+    protected_patterns_for,
+)
 
 BWRAP = "/usr/bin/bwrap"
 HINT = "install bubblewrap and socat (apt-get install bubblewrap socat)"
@@ -195,3 +200,28 @@ def test_planner_for_microvm_fails(probe: ProbeResult) -> None:
     with pytest.raises(BackendUnavailable, match="backend microvm cannot run") as info:
         planner_for(SandboxBackend.MICROVM, probe, _host(probe.platform))
     assert info.value.fix == (probe.hint or "request 'native' or leave the backend unspecified")
+
+
+# --- protected_patterns_for --------------------------------------------------------------------
+
+
+def test_bubblewrap_gets_the_protected_patterns_with_or_without_the_supervisor() -> None:
+    # Without the supervisor the patterns are still asked for, so the planner refuses the launch
+    # (BackendUnavailable) instead of running it with the launch-time binds alone.
+    for probe in (LINUX_OK, dataclasses.replace(LINUX_OK, create_rules=True)):
+        assert protected_patterns_for(probe, env={}) == PROTECTED_PATTERN_NAMES
+
+
+def test_launch_time_protection_only_when_said_on_purpose() -> None:
+    env = {WRITE_PROTECTION_ENV: "launch-time"}
+    assert protected_patterns_for(LINUX_OK, env=env) == ()
+    assert protected_patterns_for(LINUX_OK, env={WRITE_PROTECTION_ENV: "write-time"}) == (
+        PROTECTED_PATTERN_NAMES
+    )
+    with pytest.raises(BadSpec, match="not a choice") as err:
+        protected_patterns_for(LINUX_OK, env={WRITE_PROTECTION_ENV: "off"})
+    assert "launch-time" in (err.value.fix or "")
+
+
+def test_other_mechanisms_have_launch_time_rules_only() -> None:
+    assert protected_patterns_for(MACOS_OK, env={}) == ()
