@@ -31,11 +31,14 @@ from test_egress import (
 )
 
 from cc_server.backends.probe import ProbeResult
+from cc_server.egress.addresses import parse_ip_literal
 from cc_server.errors import BadSpec
 from cc_server.runtime.events import EgressRequest, EventType
 from cc_server.runtime.handle import SandboxHandle
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+LOOPBACK6 = parse_ip_literal("::1")
 
 
 @pytest.fixture
@@ -56,7 +59,8 @@ ROUTES = ("connect", "forward", "socks-domain")
 
 async def test_a_port_entry_allows_only_its_port_on_every_route(lab: Lab, other: Upstream) -> None:
     up = lab.upstream
-    handle = lab.launch(egressAllowlist=[f"{ALLOWED}:{up.port}", f"127.0.0.1:{up.port}"])
+    handle = lab.launch(egressAllowlist=[f"{ALLOWED}:{up.port}", f"127.0.0.1:{up.port}",
+                                         f"[::1]:{up.port6}"])
     tries = []
     for kind in ROUTES:
         tries += [
@@ -66,6 +70,10 @@ async def test_a_port_entry_allows_only_its_port_on_every_route(lab: Lab, other:
     tries += [
         attempt("socks-ipv4 listed port", "socks-ipv4", "127.0.0.1", up.port),
         attempt("socks-ipv4 other port", "socks-ipv4", "127.0.0.1", other.port),
+        attempt("socks-ipv6 listed port", "socks-ipv6", "::1", up.port6),
+        attempt("socks-ipv6 other port", "socks-ipv6", "::1", other.port6),
+        attempt("connect-ipv6 listed port", "connect", "[::1]", up.port6),
+        attempt("connect-ipv6 other port", "connect", "[::1]", other.port6),
     ]
     found, _ = await run_raw(handle, *tries)
     for name, entry in found.items():
@@ -75,11 +83,13 @@ async def test_a_port_entry_allows_only_its_port_on_every_route(lab: Lab, other:
             assert refused(entry), (name, entry)
             assert not reached(entry, other), (name, entry)
     assert other.seen == [], "a refused port was reached"
-    assert len(up.seen) == len(ROUTES) + 1
-    assert_violations(handle, [(ALLOWED, other.port)] * len(ROUTES) + [(LOOPBACK, other.port)])
+    assert len(up.seen) == len(ROUTES) + 3
+    assert_violations(handle, [(ALLOWED, other.port)] * len(ROUTES) + [
+        (LOOPBACK, other.port), (LOOPBACK6, other.port6), (LOOPBACK6, other.port6)])
     reasons = [v.raw or "" for v in handle.violations]
     assert all("not on this session's egress allowlist" in r for r in reasons), reasons
-    assert all(f"--allow-domain {ALLOWED}:{other.port}" in r for r in reasons[:-1]), reasons
+    assert all(f"--allow-domain {ALLOWED}:{other.port}" in r for r in reasons[:3]), reasons
+    assert f"--allow-domain [::1]:{other.port6}" in reasons[-1], reasons
 
 
 async def test_an_address_entry_with_a_port_guards_a_name_on_that_port_only(
