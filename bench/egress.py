@@ -34,7 +34,8 @@ upstream and the clients are other processes and the main thread only waits for 
 soak, reads and hashes with the GIL released), so nothing starves the loop.
 
 Besides the medians it prints, per download case, the ratio to direct within each round and the
-CPU time of the proxies' thread per GiB moved (the relay's own cost; the kernel's work on the
+CPU time of the proxies' thread per GiB moved, and per request for the small cases, which is
+steadier than the wall time on a loaded machine (the proxies' own cost; the kernel's work on the
 far side of each loopback hop is charged to whichever process sends into it).
 Targets: CONNECT and SOCKS5 download >= 0.75x direct (issue 17 asks 0.85x); soak: every transfer
 byte-for-byte; the proxy's own cost per request <= +0.3 ms with a new connection each and
@@ -409,10 +410,12 @@ def main() -> int:
                        ("keep-alive CONNECT", "keep-alive direct")):
         lo, hi = min(samples[name]), max(samples[name])
         added = (med[name] - med[base]) / SMALL_REQUESTS * 1000
+        cpu_us = proxy_cpu_s[name] / (args.runs * SMALL_REQUESTS) * 1e6
         print(f"{name:<18}{med[name] * 1000:>11.0f} ms{f'{lo * 1000:.0f}..{hi * 1000:.0f} ms':>20}"
               f"{med[name] / med[base]:>10.2f}"
               f"   ({med[name] / SMALL_REQUESTS * 1000:.2f} ms/request"
-              + ("" if name == base else f", {added:+.2f} ms over {base}") + ")")
+              + ("" if name == base else f", {added:+.2f} ms over {base}")
+              + ("" if name == base else f"; proxy thread {cpu_us:.0f} CPU-us/request") + ")")
     tunnel = med["download CONNECT"] / med["download direct"]
     socks5 = med["download SOCKS5"] / med["download direct"]
     print(f"targets: CONNECT tunnel {tunnel:.2f}x direct (target >= {TARGET_RATIO}: "
