@@ -61,7 +61,9 @@ def _eligible(argv: Sequence[str]) -> bool:
     for arg in argv[1:]:
         if arg == "--":
             break
-        if arg in ("-h", "--help", "--ask") or arg.startswith("--events"):
+        if arg in ("-h", "--help") or arg.startswith("--events"):
+            return False
+        if len(arg) > 3 and "--ask".startswith(arg):  # argparse takes "--as" for "--ask" too
             return False
     return _peers_identifiable()
 
