@@ -1,18 +1,27 @@
 #!/usr/bin/env python3
-"""Cost of the create-time filename rules, against the same sandbox without them, in one run.
+"""Cost of the write policy decided when a write happens, against the same sandbox without it,
+in one run.
 
-Each workload runs inside a native sandbox twice per round, once launched with the standard
-create-time globs (.env, *.key, *.pem: the launcher, the filter and the supervisor) and once
-without, rounds interleaved so drift hits both alike, and which goes first alternating from round
-to round. Times are taken inside the sandbox, around the workload only (sandbox start-up
-excluded), and the medians are compared:
+Each workload runs inside four native sandboxes per round, rounds interleaved so drift hits all
+alike, the order rotating from round to round:
+
+  plain    no supervisor (CC_SERVER_WRITE_PROTECTION=launch-time, no globs): the baseline;
+  globs    the standard create-time globs only (.env, *.key, *.pem), launch-time binds;
+  default  the default write protection (the protected patterns at any depth: creates, opens
+           for writing, renames, removals and mode changes trapped and judged on their path);
+  both     the default protection and the globs (what a dispatch run gets).
+
+Times are taken inside the sandbox, around the workload only (sandbox start-up excluded), and
+the medians are compared with plain:
 
   unpack      tar xf of a FILES-file tarball (FILES/100 directories) into a new directory on
-              the workspace's filesystem; every file is one supervised create. Target <= 2x.
+              the workspace's filesystem; every file is one supervised create. Target <= 1.6x.
   git status  on a FILES-file repository (reads and stats; the index lock is one create).
               Target <= 1.05x: reads never reach the supervisor.
-  per create  a Python loop of O_CREAT|O_EXCL opens; (supervised - plain) / n is the cost the
-              supervisor adds to one create, in microseconds.
+  per create  a Python loop of O_CREAT|O_EXCL opens; (x - plain) / n is the cost one create
+              pays, in microseconds; (both - globs) / n is what the path check adds to one
+              (target <= 20 us).
+  per write   a Python loop opening existing files O_WRONLY (trapped only with the protection).
 
 "best-of" is the fastest supervised run over the fastest plain one: other work on the machine
 only ever adds time, so on a shared machine it is the steadier of the two ratios.
@@ -45,6 +54,7 @@ from cc_server.backends.probe import CREATE_SUPERVISOR_TOOL, probe
 from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, HostFacts, parse_spec
 from cc_server.runtime.handle import SandboxHandle, run_collect
 from cc_server.runtime.port import SandboxManager
+from cc_server.runtime.select import WRITE_PROTECTION_ENV
 
 PYTHON = "/usr/bin/python3"  # inside the sandbox
 TIMED = 'a=$(date +%s%N); {cmd}; r=$?; b=$(date +%s%N); echo "$((b - a))"; exit $r'
@@ -55,6 +65,13 @@ CREATE_LOOP = (
     "for i in range(n):\n"
     "    os.close(os.open(f'{d}/f{i}', os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))\n"
 )
+WRITE_LOOP = (
+    "import os, sys\n"
+    "d, n = sys.argv[1], int(sys.argv[2])\n"
+    "for i in range(n):\n"
+    "    os.close(os.open(f'{d}/f{i}', os.O_WRONLY))\n"
+)
+VARIANTS = ("plain", "globs", "default", "both")
 
 
 def _make_tree(root: str, files: int) -> None:
@@ -95,6 +112,8 @@ async def _bench(work: str, files: int, rounds: int, library: str | None) -> int
         subprocess.run([*git, *args], check=True)
     with open(os.path.join(work, "loop.py"), "w") as f:
         f.write(CREATE_LOOP)
+    with open(os.path.join(work, "write.py"), "w") as f:
+        f.write(WRITE_LOOP)
 
     result = probe()
     if not result.create_rules:
@@ -105,25 +124,39 @@ async def _bench(work: str, files: int, rounds: int, library: str | None) -> int
         result = dataclasses.replace(result, tools=tools)
     manager = SandboxManager(probe_result=result, host=HostFacts.current())
     spec = {"workspaceId": "bench", "bindMounts": [{"hostPath": work}]}
-    plain = manager.launch(parse_spec({"sessionId": "plain", **spec}))
-    ruled = manager.launch(
-        parse_spec({"sessionId": "ruled", **spec}), deny_create_globs=STANDARD_DENY_CREATE_GLOBS
-    )
+    handles: dict[str, SandboxHandle] = {}
+    for name in VARIANTS:
+        globs = STANDARD_DENY_CREATE_GLOBS if name in ("globs", "both") else ()
+        launch_time = name in ("plain", "globs")
+        saved = os.environ.get(WRITE_PROTECTION_ENV)
+        if launch_time:  # read when the policy is compiled, at launch
+            os.environ[WRITE_PROTECTION_ENV] = "launch-time"
+        try:
+            handles[name] = manager.launch(
+                parse_spec({"sessionId": name, **spec}), deny_create_globs=globs
+            )
+        finally:
+            if launch_time:
+                os.environ.pop(WRITE_PROTECTION_ENV)
+                if saved is not None:
+                    os.environ[WRITE_PROTECTION_ENV] = saved
     samples: dict[tuple[str, str], list[float]] = {}
     try:
-        await _timed(plain, f"git -C {repo} status --porcelain >/dev/null", work)  # warm caches
+        git_status = f"git -C {repo} status --porcelain >/dev/null"
+        await _timed(handles["plain"], git_status, work)  # warm caches
         for rnd in range(rounds):
-            order = (("plain", plain), ("ruled", ruled))
-            for name, handle in order if rnd % 2 == 0 else order[::-1]:
+            shift = rnd % len(VARIANTS)
+            for name in VARIANTS[shift:] + VARIANTS[:shift]:
                 dest = os.path.join(work, f"out-{name}-{rnd}")
                 os.mkdir(dest)
                 workloads = {
                     "unpack": f"tar xf {tarball} -C {dest}",
-                    "git status": f"git -C {repo} status --porcelain >/dev/null",
+                    "git status": git_status,
                     "per create": f"{PYTHON} loop.py {dest}/loop {files}",
+                    "per write": f"{PYTHON} write.py {dest}/loop {files}",
                 }
                 for workload, cmd in workloads.items():
-                    seconds = await _timed(handle, cmd, work)
+                    seconds = await _timed(handles[name], cmd, work)
                     samples.setdefault((workload, name), []).append(seconds)
             print(f"round {rnd + 1}/{rounds} done", flush=True)
     finally:
@@ -135,14 +168,23 @@ async def _bench(work: str, files: int, rounds: int, library: str | None) -> int
     def best(workload: str, name: str) -> float:
         return min(samples[(workload, name)])
 
-    print(f"\n{files} files, {rounds} rounds, medians (seconds, inside the sandbox):")
-    print(f"{'workload':<12} {'plain':>9} {'supervised':>11} {'ratio':>7}  {'best-of':>7}  target")
-    for workload, target in (("unpack", "<= 2x"), ("git status", "<= 1.05x"), ("per create", "")):
-        p, r = med(workload, "plain"), med(workload, "ruled")
-        b = best(workload, "ruled") / best(workload, "plain")
-        print(f"{workload:<12} {p:9.3f} {r:11.3f} {r / p:6.2f}x  {b:6.2f}x  {target}")
-    extra_us = (med("per create", "ruled") - med("per create", "plain")) / files * 1e6
-    print(f"\none supervised create costs {extra_us:.1f} us more than a plain one")
+    print(f"\n{files} files, {rounds} rounds, medians (seconds, inside the sandbox); each")
+    print("variant as a ratio to plain, median (best-of):")
+    heads = "".join(f" {v:>16}" for v in VARIANTS[1:])
+    print(f"{'workload':<12} {'plain':>8}{heads}  target")
+    targets = {"unpack": "<= 1.6x", "git status": "<= 1.05x", "per create": "", "per write": ""}
+    for workload, target in targets.items():
+        p = med(workload, "plain")
+        cells = "".join(
+            f" {med(workload, v) / p:7.2f}x ({best(workload, v) / best(workload, 'plain'):5.2f}x)"
+            for v in VARIANTS[1:]
+        )
+        print(f"{workload:<12} {p:8.3f}{cells}  {target}")
+    for workload in ("per create", "per write"):
+        extra = {v: (med(workload, v) - med(workload, "plain")) / files * 1e6 for v in VARIANTS}
+        print(f"\n{workload}: " + ", ".join(f"{v} +{extra[v]:.1f} us" for v in VARIANTS[1:]))
+    check = (med("per create", "both") - med("per create", "globs")) / files * 1e6
+    print(f"the path check adds {check:.1f} us to one create (both - globs; target <= 20 us)")
     return 0
 
 

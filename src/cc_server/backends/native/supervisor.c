@@ -177,6 +177,7 @@ struct ccs {
     char **pats;
     bool *pat_tree; /* X followed by slash-star-star: X and all below it; else exact */
     const char **pat_last; /* an exact pattern's last component: a cheap first test */
+    bool *pat_last_literal; /* ... with no glob character in it (compared as a string) */
     char **pat_first;      /* a tree pattern's first component, when it is a literal */
     int npats;
     char **roots;
@@ -701,8 +702,13 @@ static bool glob_refused(struct ccs *s, int dir_fd, const char *name, const char
 
 static bool pattern_hits(const struct ccs *s, const char *rel, const char *name,
                          const char **which) {
+    size_t nlen = 0;
+    bool ascii = ascii_name(name, &nlen); /* a literal is then compared as glob_match does */
     for (int i = 0; i < s->npats; i++) {
-        if (s->pat_last[i] && fnmatch(s->pat_last[i], name, FNM_CASEFOLD) != 0)
+        const char *last = s->pat_last[i];
+        if (last && (ascii && s->pat_last_literal[i]
+                         ? strlen(last) != nlen || !ascii_caseeq(last, name, nlen)
+                         : fnmatch(last, name, FNM_CASEFOLD) != 0))
             continue; /* an exact pattern must end in this name */
         if (s->pat_first[i] && !strcasestr(rel, s->pat_first[i]))
             continue; /* a tree pattern's first component must be in the path */
@@ -1771,8 +1777,8 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     const char *name = slash ? slash + 1 : path;
     const char *glob;
     if (strlen(name) > NAME_MAX || strcmp(name, ".") == 0 || strcmp(name, "..") == 0 ||
-        glob_match(s, name, &glob) || has_path_rules(s))
-        return false; /* the walk decides (a path rule needs the pinned directory) */
+        glob_match(s, name, &glob))
+        return false; /* the walk decides */
     int start;
     bool owned;
     int err = beneath_start(q, dirfd, path, &start, &owned);
@@ -1783,6 +1789,32 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     const char *rel = path;
     while (*rel == '/')
         rel++;
+    if (has_path_rules(s)) {
+        /* A path rule needs the pinned directory: the parent first (one openat2, nothing on
+         * the way a symlink or a magic link), the rules on its path and the name, then the
+         * open of that one name from it. A refusal, or anything unusual, goes to the walk,
+         * which decides the same and reports it. */
+        char dir[PATH_MAX];
+        size_t dlen = (size_t)(name - rel);
+        memcpy(dir, rel, dlen);
+        dir[dlen] = '\0';
+        struct open_how dh = {
+            .flags = O_PATH | O_DIRECTORY | O_CLOEXEC,
+            .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH,
+        };
+        int parent = (int)syscall(SYS_openat2, start, dlen ? dir : ".", &dh, sizeof dh);
+        if (owned)
+            close(start);
+        if (parent < 0)
+            return false;
+        if (path_refused(s, parent, name, &glob)) {
+            close(parent);
+            return false;
+        }
+        start = parent;
+        owned = true;
+        rel = name;
+    }
     /* As in do_open's walk: O_NONBLOCK keeps an existing FIFO from blocking this worker (with
      * O_EXCL the name cannot exist). */
     int f = flags | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY;
@@ -3087,6 +3119,7 @@ static void destroy(struct ccs *s) {
     free(s->pats);
     free(s->pat_tree);
     free(s->pat_last);
+    free(s->pat_last_literal);
     if (s->pat_first)
         for (int i = 0; i < s->npats; i++)
             free(s->pat_first[i]);
@@ -3167,12 +3200,14 @@ struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, 
     s->pats = calloc(entries, sizeof(char *));
     s->pat_tree = calloc(entries, sizeof(bool));
     s->pat_last = calloc(entries, sizeof(char *));
+    s->pat_last_literal = calloc(entries, sizeof(bool));
     s->pat_first = calloc(entries, sizeof(char *));
     s->roots = calloc(entries, sizeof(char *));
     s->exempts = calloc(entries, sizeof(char *));
     s->absolutes = calloc(entries, sizeof(char *));
     s->sockdirs = calloc(entries, sizeof(char *));
-    if (!s->globs || !s->forms || !s->pats || !s->pat_tree || !s->pat_last || !s->pat_first || !s->roots ||
+    if (!s->globs || !s->forms || !s->pats || !s->pat_tree || !s->pat_last ||
+        !s->pat_last_literal || !s->pat_first || !s->roots ||
         !s->exempts || !s->absolutes || !s->sockdirs)
         goto oom;
     char *g = s->glob_blob;
@@ -3207,6 +3242,8 @@ struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, 
                 }
             }
             s->pat_last[s->npats] = tree ? NULL : (last ? last + 1 : text);
+            s->pat_last_literal[s->npats] =
+                !tree && strcspn(s->pat_last[s->npats], "*?[\\") == strlen(s->pat_last[s->npats]);
             s->pats[s->npats++] = text;
             break;
         }
