@@ -1,11 +1,17 @@
 /*
  * libcc-create-supervisor: decides every syscall of a sandbox that can bring a new name into
- * existence, from seccomp user notifications. Loaded into the server process with ctypes; its
+ * existence, and with the write policy's path rules every one that can change a name or a file
+ * that exists, from seccomp user notifications. Loaded into the server process with ctypes; its
  * worker threads never run Python.
  *
- * The one rule: a name matching one of the session's globs is never created. Everything else
- * the process asked for is done for it, in its view of the filesystem, and the result handed
- * back. The supervisor never answers SECCOMP_USER_NOTIF_FLAG_CONTINUE: the kernel would then
+ * The rules: a name matching one of the session's globs is never created; with path rules, a
+ * protected path (a pattern below a writable root, an absolute path, a name on the way to one)
+ * is never created, written, truncated, removed, renamed, linked or re-moded (the opens for
+ * writing, truncate, unlink(at), rmdir and the chmod calls are trapped only then), no object of
+ * a kernel filesystem is opened for a task, and a pathname Unix socket is connected to only if
+ * it was bound inside the sandbox (do_connect; the connect is made by the launcher's connector).
+ * Everything else the process asked for is done for it, in its view of the filesystem, and the
+ * result handed back. The supervisor never answers SECCOMP_USER_NOTIF_FLAG_CONTINUE: the kernel would then
  * re-read memory the process can still change after the check.
  *
  * Per notification (see handle()):
