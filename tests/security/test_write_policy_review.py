@@ -464,6 +464,38 @@ async def test_a_symlink_swapped_under_a_create_never_lands_in_hooks(
     assert _refusals(handle) == [("file-write-create", f"{wt}/{NEW_HOOK}")] * refused, out
 
 
+async def test_refusals_from_many_processes_at_once_are_each_reported_once(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Four processes at once (the supervisor's crowd mode: every worker polls), each trying a
+    # protected create and an ordinary one in turn: no protected name lands, every ordinary one
+    # does, and the violations are exactly the refusals, one each.
+    wt = sb.worktree
+    _plant(wt)
+    body = (
+        "os.mkdir('s_out')\npids = []\n"
+        "for k in range(4):\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        refused = 0\n"
+        "        for i in range(60):\n"
+        "            try:\n"
+        f"                os.open('{NEW_HOOK}', os.O_CREAT | os.O_WRONLY)\n"
+        "            except PermissionError:\n"
+        "                refused += 1\n"
+        "            os.close(os.open(f's_out/{k}-{i}', os.O_CREAT | os.O_WRONLY))\n"
+        "        os._exit(0 if refused == 60 else 1)\n"
+        "    pids.append(pid)\n"
+        "codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]\n"
+        "print('codes', codes)\n"
+    )
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "codes [0, 0, 0, 0]" in out and "RESULT=done" in out, out
+    assert not (wt / NEW_HOOK).exists(), out
+    assert len(list((wt / "s_out").iterdir())) == 240, out
+    assert _refusals(handle) == [("file-write-create", f"{wt}/{NEW_HOOK}")] * 240, out
+
+
 class HostListener:
     """A host process's listening Unix socket; `contacts` counts whoever reached it."""
 
