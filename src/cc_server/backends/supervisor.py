@@ -298,6 +298,13 @@ class CreateRefused:
         return self.resolved or self.target
 
     @property
+    def reason(self) -> str:
+        """Why, in one phrase (SandboxViolation.reason)."""
+        if " " in self.glob:
+            return self.glob
+        return f"the sandbox's write policy protects it (matches {self.glob!r})"
+
+    @property
     def raw(self) -> str:
         """One line for logs and SandboxViolation.raw."""
         verb = _VERBS.get(self.action, "write")

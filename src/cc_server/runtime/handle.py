@@ -260,7 +260,8 @@ class SandboxHandle:
         if isinstance(report, CreateRefused):
             self.record_violation(
                 SandboxViolation(
-                    action=report.action, target=report.judged_target, raw=report.raw
+                    action=report.action, target=report.judged_target, raw=report.raw,
+                    reason=report.reason,
                 ),
                 execution,
             )
