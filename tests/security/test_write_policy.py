@@ -124,7 +124,7 @@ async def test_a_protected_path_missing_at_launch_cannot_be_made(sb: Sandboxes) 
 async def test_ordinary_work_still_works(sb: Sandboxes, tmp_path: pathlib.Path) -> None:
     # The control for every refusal above: editing, new source files, an archive, a venv, and
     # git in the worktree's own repository (made by the host): commit, branch, checkout. (`git
-    # worktree add` is refused: it writes the new worktree's commondir into .git/worktrees.)
+    # worktree add` works to the sandbox's /tmp: test_write_policy_existing.py.)
     wt = sb.worktree
     _repo(wt)
     (wt / "main.py").write_text("print('v1')\n")

@@ -25,6 +25,10 @@ from escape_kit import Sandboxes, output, run_attack
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
+GIT_IDENTITY = {
+    "GIT_AUTHOR_NAME": "a", "GIT_AUTHOR_EMAIL": "a@b", "GIT_COMMITTER_NAME": "a",
+    "GIT_COMMITTER_EMAIL": "a@b",
+}  # fmt: skip
 CONFIG = "repoA/.git/config"
 HOOK = "repoA/.git/hooks/pre-push"  # exists, not executable: chmod +x would arm it
 
@@ -218,3 +222,33 @@ async def test_a_kernel_object_opened_for_writing_is_refused_and_reported(sb: Sa
     refusals = {(v.action, v.target) for v in handle.violations}
     assert ("file-write-data", "/proc/1/mem") in refusals, (refusals, out)
     assert refusals <= {("file-write-data", str(sysctl)), ("file-write-data", "/proc/1/mem")}
+
+
+async def test_git_worktree_add_to_the_sandboxs_tmp_works_and_a_hosts_worktree_stays_protected(
+    sb: Sandboxes,
+) -> None:
+    # `git worktree add` writes .git/worktrees/<name>/{commondir,gitdir,HEAD,...} in the host's
+    # repository: allowed in a directory the sandbox made itself (no pointer on the host names
+    # it); the commondir of a worktree the host made stays protected.
+    wt = sb.worktree
+    _repo(wt)
+    (wt / "f").write_text("v1\n")
+    git_env = {"PATH": "/usr/bin:/bin", "GIT_CONFIG_GLOBAL": "/dev/null", **GIT_IDENTITY}
+    subprocess.run(f"cd {wt} && git add f && git commit -qm init && git worktree add -q "
+                   f"{sb.root}/hostwt -b host", shell=True, check=True, env=git_env)  # fmt: skip
+    host_commondir = wt / ".git" / "worktrees" / "hostwt" / "commondir"
+    before = host_commondir.read_bytes()
+    exports = " ".join(f"{k}={v}" for k, v in git_env.items() if k != "PATH")
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"export {exports}; cd {wt} && git worktree add -q /tmp/side -b side && "
+        "cd /tmp/side && echo x > g && git add g && git commit -qm side && "
+        "git log --oneline | wc -l; "
+        f"echo /evil > {host_commondir}; echo host=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert result.stdout.decode().splitlines()[0] == "2", out
+    assert "host=0" not in out, out
+    assert host_commondir.read_bytes() == before
+    refusals = [(v.action, v.target) for v in handle.violations]
+    assert refusals == [("file-write-data", str(host_commondir))], (refusals, out)

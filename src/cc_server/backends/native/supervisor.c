@@ -149,6 +149,7 @@
 #define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
 #define MAX_CONNECTS 64           /* connects the connector runs at once (launcher.c) */
+#define MAX_OWN_WORKTREES 64      /* .git/worktrees/<name> directories a sandbox made, tracked */
 #define PIN_IDLE_MS 1             /* a worker and a task held to one CPU for a run of opens
                                      (hold_here) get their own affinity back after this long
                                      without a call */
@@ -244,6 +245,14 @@ struct ccs {
     bool conn_started, conn_dead;
     uint64_t conn_pending[MAX_CONNECTS];
     int nconn_pending;
+    /* The linked-worktree directories (.git/worktrees/<name>) this sandbox made itself: in those
+     * the worktree patterns (commondir, config.worktree) do not apply (own_worktree). */
+    pthread_mutex_t wt_lock;
+    struct {
+        dev_t dev;
+        ino_t ino;
+    } own_wt[MAX_OWN_WORKTREES];
+    int nown_wt;
 };
 
 struct helper {
@@ -786,6 +795,7 @@ static bool full_path_refused(const struct ccs *s, const char *full, const char 
 
 #define PATH_UNKNOWN "(the directory's path could not be read)"
 
+
 /* The path the last check of this worker judged, in the task's view (reported as a refusal's
  * resolved target; empty when unknown). */
 static __thread char judged[PATH_MAX + NAME_MAX + 2];
@@ -809,6 +819,42 @@ static bool judge_path(int dir_fd, const char *name) {
         snprintf(judged + n, sizeof judged - (size_t)n, "%s", name);
     }
     return true;
+}
+
+/* A linked worktree's own files (commondir, config.worktree) steer host git in every worktree
+ * whose pointer names that directory: protected, except in a directory this sandbox made itself
+ * (`git worktree add` to the sandbox's /tmp: no pointer on the host names it, unless a stale one
+ * of a pruned worktree of that very name is left). */
+#define WORKTREE_PATTERNS ".git/worktrees/"
+static bool own_worktree(struct ccs *s, int dir_fd) {
+    struct stat st;
+    if (fstat(dir_fd, &st) != 0)
+        return false;
+    bool own = false;
+    pthread_mutex_lock(&s->wt_lock);
+    for (int i = 0; i < s->nown_wt && !own; i++)
+        own = s->own_wt[i].dev == st.st_dev && s->own_wt[i].ino == st.st_ino;
+    pthread_mutex_unlock(&s->wt_lock);
+    return own;
+}
+
+/* After a mkdir: a new directory directly in a repository's .git/worktrees is this sandbox's. */
+static void note_worktree_dir(struct ccs *s, int dir_fd, const char *name) {
+    if (s->npats == 0 || !judge_path(dir_fd, "")) /* judged: the parent */
+        return;
+    size_t n = strlen(judged), k = strlen("/.git/worktrees");
+    if (n < k || strcmp(judged + n - k, "/.git/worktrees") != 0)
+        return;
+    struct stat st;
+    if (fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode))
+        return;
+    pthread_mutex_lock(&s->wt_lock);
+    if (s->nown_wt < MAX_OWN_WORKTREES) {
+        s->own_wt[s->nown_wt].dev = st.st_dev;
+        s->own_wt[s->nown_wt].ino = st.st_ino;
+        s->nown_wt++;
+    }
+    pthread_mutex_unlock(&s->wt_lock);
 }
 
 /* Whether the object `fd` has no name a rule could protect: a pipe, a socket or another
@@ -836,7 +882,10 @@ static bool path_refused(const struct ccs *s, int dir_fd, const char *name, cons
         return true;
     }
     const char *base = strrchr(judged, '/');
-    return full_path_refused(s, judged, base ? base + 1 : judged, which);
+    if (!full_path_refused(s, judged, base ? base + 1 : judged, which))
+        return false;
+    return !(name[0] && strncmp(*which, WORKTREE_PATTERNS, strlen(WORKTREE_PATTERNS)) == 0 &&
+             own_worktree((struct ccs *)s, dir_fd));
 }
 
 /* Whether `name` in `dir_fd` lies on the way to a protected path (an absolute rule below it): such
@@ -2056,6 +2105,8 @@ static void do_mknod_mkdir(struct req *q, int dirfd, uint64_t addr, mode_t mode,
     if (!err && !refused) {
         int rc = is_mkdir ? mkdirat(r.dir_fd, r.name, mode) : mknodat(r.dir_fd, r.name, mode, dev);
         err = rc < 0 ? errno : 0;
+        if (!err && is_mkdir)
+            note_worktree_dir(s, r.dir_fd, r.name);
     }
     res_close(&r);
     if (!refused)
@@ -3140,6 +3191,7 @@ static void destroy(struct ccs *s) {
         close(s->diag_fd);
     pthread_mutex_destroy(&s->diag_lock);
     pthread_mutex_destroy(&s->conn_lock);
+    pthread_mutex_destroy(&s->wt_lock);
     free(s->glob_blob);
     free(s->groups);
     free(s->threads);
@@ -3180,6 +3232,7 @@ struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, 
     s->diag_fd = diag;
     pthread_mutex_init(&s->diag_lock, NULL);
     pthread_mutex_init(&s->conn_lock, NULL);
+    pthread_mutex_init(&s->wt_lock, NULL);
     s->stop_fd = -1;
     s->proc_fd = -1;
     s->pin_pidfd = -1;
