@@ -252,3 +252,40 @@ async def test_git_worktree_add_to_the_sandboxs_tmp_works_and_a_hosts_worktree_s
     assert host_commondir.read_bytes() == before
     refusals = [(v.action, v.target) for v in handle.violations]
     assert refusals == [("file-write-data", str(host_commondir))], (refusals, out)
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        "mv .git/worktrees/hostwt .git/worktrees/moved",
+        "rm -rf .git/worktrees/hostwt",
+        "mkdir .git/worktrees/mine && /usr/bin/python3 -c \"import ctypes; "
+        "r = ctypes.CDLL(None, use_errno=True).renameat2(-100, b'.git/worktrees/mine', -100, "
+        "b'.git/worktrees/hostwt', 2); raise SystemExit(ctypes.get_errno() if r else 0)\"",
+    ],
+    ids=["rename-away", "remove", "exchange"],
+)
+async def test_a_hosts_worktree_directory_cannot_be_moved_away_and_made_again(
+    sb: Sandboxes, script: str
+) -> None:
+    # Moved away (or emptied and removed), its name could be made again as the sandbox's own,
+    # with a commondir of its choosing, which the host's pointer to that name would follow.
+    wt = sb.worktree
+    _repo(wt)
+    (wt / "f").write_text("v1\n")
+    git_env = {"PATH": "/usr/bin:/bin", "GIT_CONFIG_GLOBAL": "/dev/null", **GIT_IDENTITY}
+    subprocess.run(f"cd {wt} && git add f && git commit -qm init && git worktree add -q "
+                   f"{sb.root}/hostwt -b host", shell=True, check=True, env=git_env)  # fmt: skip
+    commondir = wt / ".git" / "worktrees" / "hostwt" / "commondir"
+    before = commondir.read_bytes()
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"cd {wt} && {{ {script}; }}; "
+        "mkdir -p .git/worktrees/hostwt && echo /evil > .git/worktrees/hostwt/commondir; "
+        "echo rc=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert "rc=0" not in out, out
+    assert commondir.read_bytes() == before, out
+    assert not (wt / ".git" / "worktrees" / "moved").exists()
+    assert [v for v in handle.violations if v.action.startswith("file-write-")], out

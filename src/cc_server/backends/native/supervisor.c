@@ -838,6 +838,28 @@ static bool own_worktree(struct ccs *s, int dir_fd) {
     return own;
 }
 
+/* Whether `name` in `dir_fd` is a linked worktree's directory this sandbox did not make: it may
+ * not be removed or moved away (its name could then be made again, as the sandbox's own, with
+ * another commondir, which the host's pointer to that name would follow). */
+#define WORKTREE_DIR "a linked worktree's directory: a pointer on the host names it"
+static bool worktree_dir_refused(struct ccs *s, int dir_fd, const char *name, const char **which) {
+    if (s->npats == 0 || !judge_path(dir_fd, ""))
+        return false;
+    size_t n = strlen(judged), k = strlen("/.git/worktrees");
+    if (n < k || strcmp(judged + n - k, "/.git/worktrees") != 0)
+        return false;
+    int fd = openat(dir_fd, name, O_PATH | O_NOFOLLOW | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return false; /* not a directory (or gone): the other rules decide */
+    bool own = own_worktree(s, fd);
+    close(fd);
+    if (own)
+        return false;
+    judge_path(dir_fd, name);
+    *which = WORKTREE_DIR;
+    return true;
+}
+
 /* After a mkdir: a new directory directly in a repository's .git/worktrees is this sandbox's. */
 static void note_worktree_dir(struct ccs *s, int dir_fd, const char *name) {
     if (s->npats == 0 || !judge_path(dir_fd, "")) /* judged: the parent */
@@ -2257,7 +2279,8 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
         /* A protected path may be neither the new name nor the old one (moved away, a
          * protected path could be rebuilt around its rule). */
         if (path_refused(s, rn.dir_fd, rn.name, &glob) ||
-            ancestor_refused(s, rn.dir_fd, rn.name, &glob)) {
+            ancestor_refused(s, rn.dir_fd, rn.name, &glob) ||
+            worktree_dir_refused(s, rn.dir_fd, rn.name, &glob)) { /* RENAME_EXCHANGE moves it */
             q->action = "file-write-rename";
             refuse(q, newp, rn.name, glob);
             res_close(&ro);
@@ -2265,7 +2288,8 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
             return;
         }
         if (path_refused(s, ro.dir_fd, ro.name, &glob) ||
-            ancestor_refused(s, ro.dir_fd, ro.name, &glob)) {
+            ancestor_refused(s, ro.dir_fd, ro.name, &glob) ||
+            worktree_dir_refused(s, ro.dir_fd, ro.name, &glob)) {
             q->action = "file-write-rename";
             refuse(q, oldp, ro.name, glob);
             res_close(&ro);
@@ -2329,7 +2353,8 @@ static void do_unlink(struct req *q, int dirfd, uint64_t addr, int flags) {
         return;
     }
     if (!err && (path_refused(s, r.dir_fd, r.name, &glob) ||
-                 ancestor_refused(s, r.dir_fd, r.name, &glob))) {
+                 ancestor_refused(s, r.dir_fd, r.name, &glob) ||
+                 worktree_dir_refused(s, r.dir_fd, r.name, &glob))) {
         q->action = "file-write-unlink";
         refuse(q, path, r.name, glob);
         res_close(&r);
