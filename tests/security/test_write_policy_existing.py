@@ -289,3 +289,51 @@ async def test_a_hosts_worktree_directory_cannot_be_moved_away_and_made_again(
     assert commondir.read_bytes() == before, out
     assert not (wt / ".git" / "worktrees" / "moved").exists()
     assert [v for v in handle.violations if v.action.startswith("file-write-")], out
+
+
+def _wheel(path: pathlib.Path) -> pathlib.Path:
+    """A one-module wheel, made by hand (a zip with its metadata), for an offline pip."""
+    import zipfile
+
+    whl = path / "ccsdemo-0.1-py3-none-any.whl"
+    files = {
+        "ccsdemo.py": "VALUE = 42\n",
+        "ccsdemo-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: ccsdemo\nVersion: 0.1\n",
+        "ccsdemo-0.1.dist-info/WHEEL": (
+            "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        ),
+    }
+    record = "".join(f"{name},,\n" for name in files) + "ccsdemo-0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(whl, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr("ccsdemo-0.1.dist-info/RECORD", record)
+    return whl
+
+
+async def test_package_installs_work_in_a_repository(sb: Sandboxes, tmp_path: pathlib.Path) -> None:
+    # Ordinary work the protection must not break: a venv with pip installing into it, npm
+    # installing into node_modules, both inside a repository in the worktree (offline: a local
+    # wheel and a packed local package).
+    wt = sb.worktree
+    _repo(wt)
+    kit = tmp_path / "kit"
+    (kit / "pkg").mkdir(parents=True)
+    whl = _wheel(kit)
+    (kit / "pkg" / "package.json").write_text('{"name": "ccs-demo", "version": "1.0.0"}\n')
+    (kit / "pkg" / "index.js").write_text("module.exports = 42;\n")
+    subprocess.run(["npm", "pack", "--silent", "--pack-destination", str(kit)], cwd=kit / "pkg",
+                   check=True, capture_output=True)  # fmt: skip
+    tgz = kit / "ccs-demo-1.0.0.tgz"
+    handle = sb.launch(bindMounts=[{"hostPath": str(wt)}, {"hostPath": str(kit), "readOnly": True}])
+    result = await sb.sh(handle, (
+        f"cd {wt} && set -e; /usr/bin/python3 -m venv venv; "
+        f"venv/bin/python -m pip install -q --no-index {whl}; "
+        "venv/bin/python -c 'import ccsdemo; print(\"py\", ccsdemo.VALUE)'; "
+        f"npm install --offline --no-audit --no-fund --loglevel=error {tgz}; "
+        "node -e 'console.log(\"js\", require(\"ccs-demo\"))'"
+    ), timeout_s=120)  # fmt: skip
+    out = output(result)
+    assert result.exit_code == 0 and "py 42" in out and "js 42" in out, out
+    assert (wt / "node_modules" / "ccs-demo" / "index.js").is_file()
+    assert not [v for v in handle.violations if v.action.startswith("file-")], handle.violations
