@@ -184,6 +184,12 @@ def compile_policy(
                 f"bind mount hostPath {bind.host_path!r} does not exist",
                 fix="create it first or remove it from bindMounts",
             )
+        if bind.host_sockets and not bind.read_only:
+            raise BadSpec(
+                f"bind mount {bind.host_path!r}: hostSockets needs readOnly: in a writable "
+                "bind a hard link would bring any other socket of the same filesystem in",
+                fix="set readOnly: true on it, or drop hostSockets",
+            )
         resolved = realpath(bind.host_path)
         mounts.append(
             Mount(

@@ -439,3 +439,15 @@ def test_compiled_policy_is_frozen(host: HostFacts) -> None:
         policy.mounts = ()  # type: ignore[misc]
     assert isinstance(policy.deny_read, tuple)
     assert isinstance(policy.deny_write, tuple)
+
+
+def test_host_sockets_need_a_read_only_bind(host: HostFacts) -> None:
+    # A writable bind that lets host listeners through is one hard link away from every other
+    # socket on its filesystem (Anthropic sandbox-runtime's unix-socket-allowlist test drops
+    # such an entry; here it is refused, with the fix).
+    spec = make_spec(bindMounts=[{"hostPath": "/tmp/work", "hostSockets": True}])
+    with pytest.raises(BadSpec, match="hostSockets needs readOnly") as err:
+        compile_policy(spec, host)
+    assert "readOnly: true" in (err.value.fix or "")
+    ok = make_spec(bindMounts=[{"hostPath": "/tmp/work", "hostSockets": True, "readOnly": True}])
+    assert compile_policy(ok, host).host_socket_dirs == ("/tmp/work",)
