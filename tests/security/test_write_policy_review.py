@@ -211,6 +211,11 @@ SUPERVISED: dict[str, tuple[str, str, str]] = {
         "os.write(os.open(str(fd), os.O_WRONLY, dir_fd=d), b'evil')",
         "file-write-data", CONFIG,
     ),
+    # A dangling symlink whose target is a new `.git`: an O_CREAT open follows it.
+    "dangling-symlink-to-a-new-git": (
+        "os.symlink('plain/.git', 's_l')\nopen('s_l', 'w').write('gitdir: /evil\\n')",
+        "file-write-create", "plain/.git",
+    ),
     # memfd + execveat: a program with no name on disk still carries the filter.
     "memfd-execveat": (
         "fd = os.memfd_create('t', 0)\nos.write(fd, open('/usr/bin/touch', 'rb').read())\n"
@@ -310,6 +315,8 @@ UNSUPERVISED: dict[str, str] = {
         "if libc.syscall(428, -100, b'repoA/.git', 1 | 0x80000) < 0: fail()"
     ),
     "fsopen-tmpfs": "if libc.syscall(430, b'tmpfs', 0) < 0: fail()",
+    # A user namespace of its own would allow mounts (a protected directory at another path).
+    "unshare-user-namespace": "if libc.unshare(0x10000000 | 0x20000): fail()",
     # A core file is a name made without a syscall: its limit cannot be raised again.
     "raise-core-limit": (
         "import ctypes\nlim = (ctypes.c_ulong * 2)(1 << 20, 1 << 20)\n"
