@@ -6,9 +6,11 @@ bound inside the sandbox, a socketpair, an abstract socket and TCP keep working,
 bind whose host listeners were allowed (the credential broker's).
 
 Cases taken from the peers' suites (their tests read, none of their code): Anthropic
-sandbox-runtime `test/sandbox/seccomp-filter.test.ts` (Unix sockets out of the sandbox are
-refused, socketpair keeps working), Codex `codex-rs/linux-sandbox/tests/suite/sandbox.rs`
-(no connection to a host Unix socket).
+sandbox-runtime `test/sandbox/unix-socket-allowlist.test.ts` (a socket outside the allowed
+paths is refused; a symlink is resolved before matching; a relative path is the caller's; an
+allowed path lets exactly its listener through; TCP is left alone) and
+`test/sandbox/seccomp-filter.test.ts` (socketpair keeps working), Codex
+`codex-rs/linux-sandbox/tests/suite/sandbox.rs` (no connection to a host Unix socket).
 """
 
 from __future__ import annotations
