@@ -525,7 +525,7 @@ def print_violations(handle: SandboxHandle, file: TextIO) -> None:
 
 
 def _cmd_daemon(args: argparse.Namespace) -> int:
-    from cc_server.cli_client import stop_daemon
+    from cc_server.cli_socket import stop_daemon  # lazy import: only this verb needs it
 
     stopped = stop_daemon()
     print("cc-server: the CLI daemon is stopping" if stopped else "cc-server: no CLI daemon runs")

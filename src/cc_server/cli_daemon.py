@@ -32,7 +32,7 @@ from typing import Any, Final
 
 from cc_server.backends import peer
 from cc_server.backends.fdpass import wait_readable
-from cc_server.cli_client import receive_message, send_message
+from cc_server.cli_socket import receive_message, send_message
 from cc_server.rundir import names_of_dead_owners
 
 __all__ = ["main"]

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import pytest
 from cli_kit import daemon_pids
 
-from cc_server.cli_client import receive_message, send_message
+from cc_server.cli_socket import receive_message, send_message
 
 pytestmark = pytest.mark.integration
 

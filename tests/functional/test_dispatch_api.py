@@ -31,7 +31,7 @@ from dispatch_kit import (
 from server_kit import running_server
 
 from cc_server.backends.probe import ProbeResult
-from cc_server.dispatch.guardrails import Action
+from cc_server.dispatch.actions import Action
 from cc_server.dispatch.worktrees import mounted_under
 
 pytestmark = pytest.mark.integration

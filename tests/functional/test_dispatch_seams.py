@@ -28,8 +28,8 @@ from dispatch_kit import (
 from cc_server.backends.plan import Command
 from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.acp import REFUSED_CODE, start_acp
+from cc_server.dispatch.actions import ActionRefused
 from cc_server.dispatch.claude import run_claude
-from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import Mode, SandboxBackend

@@ -19,8 +19,8 @@ from model_kit import FakeModel, ToolStep, fake_messages_api
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.acp import start_acp
+from cc_server.dispatch.actions import Action, ActionRefused
 from cc_server.dispatch.claude import run_claude
-from cc_server.dispatch.guardrails import Action, ActionRefused
 from cc_server.dispatch.service import AgentKind
 from cc_server.dispatch.violations import NOTICE_FILE, NOTICE_PREFIX
 from cc_server.egress.operator import OperatorEgress

@@ -20,9 +20,9 @@ from dispatch_kit import open_dispatch, scripted_agent
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.dispatch.acp import start_acp
+from cc_server.dispatch.actions import ActionRefused
 from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.env import EnvRefused
-from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.service import AgentKind
 from cc_server.dispatch.worktrees import WorktreeStrategy
 from cc_server.policy import AgentCapabilities, Mode

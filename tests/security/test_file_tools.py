@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import pytest
 
 from cc_server.dispatch._resolve import Openat2Resolver, Resolver, WalkResolver
-from cc_server.dispatch.guardrails import Action, ActionKind, ActionRefused, standard_chain
+from cc_server.dispatch.actions import Action, ActionKind, ActionRefused
+from cc_server.dispatch.guardrails import standard_chain
 from cc_server.dispatch.tools import FileToolError, FileTools
 from cc_server.policy import (
     STANDARD_DENY_CREATE_GLOBS,

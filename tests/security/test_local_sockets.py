@@ -26,7 +26,7 @@ import pytest
 from escape_kit import daemon_attack_script
 from server_kit import running_server
 
-from cc_server.cli_client import receive_message, send_message
+from cc_server.cli_socket import receive_message, send_message
 from cc_server.rundir import egress_base_dir
 
 pytestmark = pytest.mark.security

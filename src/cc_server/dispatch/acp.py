@@ -54,8 +54,8 @@ from acp.schema import (
 )
 
 from cc_server import __version__
+from cc_server.dispatch.actions import Action, ActionKind, ActionRefused
 from cc_server.dispatch.env import sanitized_env
-from cc_server.dispatch.guardrails import Action, ActionKind, ActionRefused
 from cc_server.dispatch.harness import shell_argv
 from cc_server.dispatch.modes import tools_for_mode
 from cc_server.dispatch.service import DispatchRun

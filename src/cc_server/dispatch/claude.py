@@ -28,9 +28,9 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Final
 
+from cc_server.dispatch.actions import Action, ActionKind
 from cc_server.dispatch.agent_hooks import hook_settings, take_refusals
 from cc_server.dispatch.env import sanitized_env
-from cc_server.dispatch.guardrails import Action, ActionKind
 from cc_server.dispatch.harness import BashResult, run_bounded, with_notices
 from cc_server.dispatch.service import AgentKind, DispatchRun
 from cc_server.errors import BadSpec

@@ -19,7 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from cc_server.dispatch.guardrails import Action, ActionKind, GuardrailChain
+from cc_server.dispatch.actions import Action, ActionKind
+from cc_server.dispatch.guardrails import GuardrailChain
 from cc_server.dispatch.violations import RunViolation, from_sandbox, notice_text
 from cc_server.errors import BadSpec
 from cc_server.policy import Mode

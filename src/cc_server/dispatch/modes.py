@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from cc_server.dispatch.guardrails import Action, ActionKind, ActionRefused
+from cc_server.dispatch.actions import Action, ActionKind, ActionRefused
 from cc_server.errors import EnforcementFailed
 from cc_server.policy import Mode
 

@@ -48,15 +48,10 @@ from typing import Any, Final, Protocol
 from cc_server.backends.bubblewrap import SYSTEM_RO_PATHS
 from cc_server.backends.egress_bridge import bridge_env
 from cc_server.backends.peer import PeerRule
+from cc_server.dispatch.actions import Action, ActionKind
 from cc_server.dispatch.agent_hooks import hook_settings
 from cc_server.dispatch.env import EnvRefused, ca_bundle_env, ca_bundle_paths, sanitized_env
-from cc_server.dispatch.guardrails import (
-    Action,
-    ActionKind,
-    Guardrail,
-    GuardrailChain,
-    standard_chain,
-)
+from cc_server.dispatch.guardrails import Guardrail, GuardrailChain, standard_chain
 from cc_server.dispatch.harness import HarnessBash
 from cc_server.dispatch.model_credentials import ModelBroker, ModelCredentials
 from cc_server.dispatch.tools import FileTools

@@ -40,15 +40,15 @@ from cc_server.dispatch._paths import (
     rule_under,
 )
 from cc_server.dispatch._resolve import Resolver, default_resolver, real_path
-from cc_server.dispatch.guardrails import (
+from cc_server.dispatch.actions import (
     KIND_TOOL,
     READ_KINDS,
     WRITE_KINDS,
     Action,
     ActionKind,
     ActionRefused,
-    GuardrailChain,
 )
+from cc_server.dispatch.guardrails import GuardrailChain
 from cc_server.dispatch.modes import tools_for_mode
 from cc_server.errors import CcServerError
 from cc_server.policy import CompiledPolicy, Mount

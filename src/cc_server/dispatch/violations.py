@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from cc_server.dispatch.guardrails import (
+from cc_server.dispatch.actions import (
     COMMAND_KINDS,
     READ_KINDS,
     WRITE_KINDS,

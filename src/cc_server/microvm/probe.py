@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Final
 
 from cc_server.backends.identity import SANDBOX_GID, SANDBOX_UID, IdentityCheck, check_identity
+from cc_server.backends.microvm_verdict import microvm_unavailable
 from cc_server.backends.plan import SandboxIdentity
 from cc_server.errors import BackendUnavailable, CcServerError
 from cc_server.microvm.image import (
@@ -31,7 +32,6 @@ from cc_server.microvm.image import (
 )
 from cc_server.microvm.pool import VmPool
 from cc_server.microvm.vm import MachineConfig
-from cc_server.runtime.select import microvm_unavailable
 
 __all__ = [
     "KVM_BOOT_TIMEOUT_S",

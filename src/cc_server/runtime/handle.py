@@ -16,12 +16,12 @@ import signal
 import socket
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Final
 
 from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import receive_fds
 from cc_server.backends.peer import SandboxPeers
-from cc_server.backends.plan import Command, EgressBridge, LaunchPlan, Planner
+from cc_server.backends.plan import Command, LaunchPlan, Planner
 from cc_server.backends.runner import start
 from cc_server.backends.supervisor import (
     CreateRefused,
@@ -32,10 +32,9 @@ from cc_server.backends.supervisor import (
     stop_supervisor,
     watch_reports,
 )
-from cc_server.egress.changes import EgressChange
-from cc_server.egress.patterns import Allowlist
 from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
+from cc_server.runtime.egress_port import Adopted, EgressPort
 from cc_server.runtime.events import (
     EgressChanged,
     EgressRequest,
@@ -48,7 +47,7 @@ from cc_server.runtime.events import (
 from cc_server.runtime.output import DEFAULT_COLLECT_LIMIT_BYTES, BoundedOutput, drain
 from cc_server.runtime.session_sandbox import SessionProcess, SessionSandbox
 
-__all__ = ["EgressPort", "Execution", "SandboxHandle"]
+__all__ = ["EgressPort", "Execution", "SandboxHandle"]  # EgressPort: runtime.egress_port
 
 EVENT_QUEUE_SIZE: Final = 256  # events buffered per execution before readers wait for the consumer
 READ_CHUNK_BYTES: Final = 64 * 1024  # one stdout/stderr event carries at most this much
@@ -58,74 +57,6 @@ KILL_GRACE_S: Final = 2.0  # after SIGKILL, how long to wait for the process to 
 PIPE_DRAIN_AFTER_EXIT_S: Final = 2.0
 HANDOFF_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's egress listeners arriving
 log = logging.getLogger("cc_server.runtime")
-
-
-class EgressPort(Protocol):
-    """A session's egress proxies, as the handle sees them (see runtime.egress)."""
-
-    async def start(self) -> EgressBridge:
-        """Start the proxies if needed; return the bridge to plan with."""
-        ...
-
-    async def adopt(self, http: socket.socket, socks: socket.socket) -> Sequence[Adopted]:
-        """Serve a sandbox's loopback listeners as the session's proxies (see runtime.egress)."""
-        ...
-
-    async def aclose(self) -> None:
-        """Stop the proxies and remove their sockets. Idempotent."""
-        ...
-
-    allowlist: Allowlist
-    """The allowlist the next connection is checked against (its deny list included)."""
-    watchers: list[Callable[[EgressChanged | EgressRequest], None]]
-    """Told of each change and each request (see runtime.egress)."""
-
-    @property
-    def entries(self) -> tuple[str, ...]:
-        """The session's allowlist entries now, canonical."""
-        ...
-
-    def change(self, change: EgressChange, *, by: str = "library") -> EgressChanged:
-        """Remove, then add, allowlist entries for the next connection (see runtime.egress)."""
-        ...
-
-    def allow(self, *entries: str, by: str = "library") -> EgressChanged:
-        """Add allowlist entries for the next connection (see runtime.egress)."""
-        ...
-
-    def remove(self, *entries: str, by: str = "library") -> EgressChanged:
-        """Remove allowlist entries for the next connection (see runtime.egress)."""
-        ...
-
-    def ask(self, timeout_s: float = ...) -> None:
-        """Hold connections to unlisted targets until answered (see runtime.egress)."""
-        ...
-
-    def stop_asking(self) -> None:
-        """Refuse unlisted targets again (see runtime.egress)."""
-        ...
-
-    @property
-    def asking(self) -> bool:
-        """Whether unlisted targets are asked about."""
-        ...
-
-    @property
-    def pending_requests(self) -> tuple[EgressRequest, ...]:
-        """The requests waiting for an answer."""
-        ...
-
-    def answer(self, request_id: str, answer: str) -> EgressRequest:
-        """Answer a pending request: once, session or deny (see runtime.egress)."""
-        ...
-
-
-class Adopted(Protocol):
-    """A listener the proxies accept on until closed."""
-
-    async def aclose(self) -> None:
-        """Stop accepting and close it. Idempotent."""
-        ...
 
 
 @dataclass(eq=False)

@@ -41,8 +41,10 @@ from cc_server.runtime.select import (
 )
 
 if TYPE_CHECKING:
-    from cc_server.microvm.handle import MicroVMHandle
-    from cc_server.microvm.runtime import MicroVMRuntime
+    from collections.abc import Callable
+
+    from cc_server.backends.microvm_verdict import MicroVMVerdict
+    from cc_server.egress.patterns import Allowlist
 
 __all__ = [
     "MicroVMSandboxAdapter",
@@ -50,6 +52,7 @@ __all__ = [
     "NoSandboxAdapter",
     "SandboxManager",
     "SandboxPort",
+    "VmRuntime",
 ]
 
 _NO_PROBE = ProbeResult(platform=Platform.OTHER, available=False)  # `none` needs no probe
@@ -220,12 +223,43 @@ class NativeSandboxAdapter:
         )
 
 
+class VmRuntime(Protocol):
+    """What the manager needs of the microVM runtime (`cc_server.microvm.runtime.MicroVMRuntime`,
+    which is built on this package and so is not imported by it)."""
+
+    @property
+    def available(self) -> bool:
+        """Whether a launch can get a VM here."""
+        ...
+
+    @property
+    def probe(self) -> MicroVMVerdict:
+        """The microVM probe's verdict: why not, when not available."""
+        ...
+
+    def launch(
+        self,
+        policy: CompiledPolicy,
+        *,
+        allowlist: Allowlist,
+        suggest: Callable[[str], str | None],
+        resolver: Resolver | None = None,
+    ) -> SandboxHandle:
+        """A `created` handle whose VM starts restoring now.
+
+        Raises:
+            BackendUnavailable: no VM runtime on this host, or no event loop.
+            BadSpec: the mounts do not fit a VM.
+        """
+        ...
+
+
 @dataclass
 class MicroVMSandboxAdapter:
     """`microvm`: each sandbox is a QEMU microVM restored from the runtime's snapshot; its
     commands run on the guest's kernel and its network is the session's proxies only."""
 
-    runtime: MicroVMRuntime | None
+    runtime: VmRuntime | None
     host: HostFacts
     backend: SandboxBackend = SandboxBackend.MICROVM
     egress_resolver: Resolver | None = None
@@ -255,7 +289,7 @@ class MicroVMSandboxAdapter:
         *,
         allowlist_spec: SandboxSpec | None,
         operator_egress: OperatorEgress | None = None,
-    ) -> MicroVMHandle:
+    ) -> SandboxHandle:
         """A handle for an already compiled policy. Terminals have no spec: their guest
         reaches the curated baseline through the session's proxies (a VM has no other way out).
         """
@@ -300,7 +334,7 @@ class SandboxManager:
     sandbox_on: bool = True
     egress_resolver: Resolver | None = None  # name lookups for the proxies (tests inject one)
     handles: dict[str, SandboxHandle] = field(default_factory=dict)
-    microvm: MicroVMRuntime | None = None
+    microvm: VmRuntime | None = None
     default_backend: SandboxBackend | None = None
 
     def __post_init__(self) -> None:
@@ -312,7 +346,7 @@ class SandboxManager:
             runtime=self.microvm, host=self.host, egress_resolver=self.egress_resolver
         )
 
-    def use_microvm(self, runtime: MicroVMRuntime) -> None:
+    def use_microvm(self, runtime: VmRuntime) -> None:
         """Serve `microvm` with this runtime from now on (a CLI daemon probes it on first use)."""
         self.microvm = runtime
         self.vm.runtime = runtime

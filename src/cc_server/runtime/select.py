@@ -19,10 +19,11 @@ import logging
 import os
 from collections.abc import Mapping
 from functools import partial
-from typing import Final, Protocol
+from typing import Final
 
 from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
 from cc_server.backends.identity import IDENTITY_TOOL, SANDBOX_GID, SANDBOX_UID
+from cc_server.backends.microvm_verdict import MicroVMVerdict, microvm_unavailable
 from cc_server.backends.none import plan_none
 from cc_server.backends.plan import Planner, SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
@@ -32,7 +33,7 @@ from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, Sandb
 
 __all__ = [
     "WRITE_PROTECTION_ENV",
-    "MicroVMVerdict",
+    "MicroVMVerdict",  # backends.microvm_verdict, handed on
     "choose_backend",
     "microvm_unavailable",
     "planner_for",
@@ -41,34 +42,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.runtime")
-
-
-class MicroVMVerdict(Protocol):
-    """What backend choice needs of the microVM probe (cc_server.microvm.probe.MicroVMProbe)."""
-
-    @property
-    def available(self) -> bool: ...
-
-    @property
-    def reason(self) -> str: ...
-
-    @property
-    def fix(self) -> str | None: ...
-
-
-def microvm_unavailable(microvm: MicroVMVerdict | None) -> BackendUnavailable:
-    """The loud failure of an explicit `microvm` request; `None`: the runtime was not probed."""
-    if microvm is None:
-        return BackendUnavailable(
-            "backend 'microvm' was requested but this process runs without the microVM "
-            "runtime: CC_SERVER_MICROVM is off, so it was never probed",
-            fix="start the server with CC_SERVER_MICROVM=on (or =default) and QEMU installed "
-            "(scripts/bootstrap); `cc-server run --backend microvm` probes it itself",
-        )
-    return BackendUnavailable(
-        f"backend 'microvm' was requested but this host cannot boot a microVM: {microvm.reason}",
-        fix=microvm.fix or "request 'native' or leave the backend unspecified",
-    )
 
 
 def choose_backend(

@@ -32,7 +32,7 @@ import signal
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import receive_fds, wait_writable
@@ -47,9 +47,7 @@ from cc_server.backends.supervisor import (
     stop_supervisor,
 )
 from cc_server.errors import EnforcementFailed
-
-if TYPE_CHECKING:
-    from cc_server.runtime.handle import Adopted, EgressPort
+from cc_server.runtime.egress_port import Adopted, EgressPort
 
 __all__ = ["MAX_REQUEST_BYTES", "SessionProcess", "SessionSandbox", "encode_request"]
 

@@ -22,7 +22,7 @@ from typing import Any, Final, NoReturn
 import msgspec
 from aiohttp import WSMsgType, web
 
-from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
+from cc_server.errors import BadSpec, CcServerError
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
 from cc_server.policy.spec import check_absolute
@@ -46,10 +46,10 @@ from cc_server.server.models import (
     ExecRequest,
     ExecStreamInput,
 )
-from cc_server.server.openapi import BACKEND_UNAVAILABLE_STATUS
 from cc_server.server.state import STATE, ServerState
+from cc_server.server.status import error_body, status_for
 
-__all__ = ["error_response", "routes", "status_for"]
+__all__ = ["answer_refusals", "routes"]
 
 FIRST_MESSAGE_TIMEOUT_S: Final = 30.0  # the exec WebSocket's ExecRequest must arrive by then
 WS_HEARTBEAT_S: Final = 30.0  # ping interval; a client that stops answering is disconnected
@@ -62,33 +62,13 @@ routes = web.RouteTableDef()
 # --- errors --------------------------------------------------------------------------------------
 
 
-def status_for(exc: CcServerError) -> int:
-    """The HTTP status for a runtime error."""
-    if isinstance(exc, BadSpec):
-        return 400
-    if isinstance(exc, BackendUnavailable):
-        return BACKEND_UNAVAILABLE_STATUS
-    if isinstance(exc, EnforcementFailed):
-        return 500
-    return 500
-
-
-def _error_body(error: str, message: str, fix: str | None = None) -> dict[str, Any]:
-    return {"error": error, "message": message, "fix": fix}
-
-
-def error_response(status: int, error: str, message: str, fix: str | None = None) -> web.Response:
-    """An ErrorBody response."""
-    return web.json_response(_error_body(error, message, fix), status=status)
-
-
 class _Refused(Exception):
     """A request refused with an ErrorBody; raised inside handlers, answered by `_answer`."""
 
     def __init__(self, status: int, error: str, message: str, fix: str | None = None) -> None:
         super().__init__(message)
         self.status = status
-        self.body = _error_body(error, message, fix)
+        self.body = error_body(error, message, fix)
 
 
 def _refuse_error(exc: CcServerError) -> NoReturn:

@@ -51,10 +51,10 @@ import msgspec
 from aiohttp import web
 
 from cc_server.dispatch.acp import start_acp
+from cc_server.dispatch.actions import ActionRefused
 from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.credentials import CredentialBroker, remove_stale_grant_dirs
 from cc_server.dispatch.env import EnvRefused
-from cc_server.dispatch.guardrails import ActionRefused
 from cc_server.dispatch.model_credentials import ModelCredentials
 from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
 from cc_server.dispatch.tools import FileTools
@@ -65,10 +65,10 @@ from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import AgentCapabilities, Mode
 from cc_server.runtime.egress import egress_base_dir
 from cc_server.runtime.port import SandboxManager
-from cc_server.server.api import error_response, status_for
 from cc_server.server.egress_api import answer_request, change_egress, egress_view
 from cc_server.server.logs import log_event
 from cc_server.server.models import EgressAnswerRequest, EgressChangeRequest
+from cc_server.server.status import error_response, status_for
 
 __all__ = [
     "DISPATCH",

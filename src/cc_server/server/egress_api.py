@@ -8,7 +8,8 @@ from typing import Any
 
 from cc_server.egress.changes import EgressChange
 from cc_server.errors import BackendUnavailable
-from cc_server.runtime.handle import EgressPort, SandboxHandle
+from cc_server.runtime.egress_port import EgressPort
+from cc_server.runtime.handle import SandboxHandle
 from cc_server.server.logs import log_event
 from cc_server.server.models import EgressChangeRequest
 

@@ -8,6 +8,7 @@ from typing import Any, Final
 import msgspec
 
 from cc_server import __version__
+from cc_server.server.dispatch_api import REQUEST_MODELS, openapi_paths
 from cc_server.server.models import (
     CreateSandboxRequest,
     EgressAnswerRequest,
@@ -27,12 +28,9 @@ from cc_server.server.models import (
     TerminalControl,
     TerminalSessionView,
 )
+from cc_server.server.status import BACKEND_UNAVAILABLE_STATUS
 
-__all__ = ["BACKEND_UNAVAILABLE_STATUS", "openapi_document"]
-
-# A backend the host cannot provide is a conflict with the host's state, not a malformed request:
-# the same body succeeds on a host that has the backend. 409, so clients can tell it from a 400.
-BACKEND_UNAVAILABLE_STATUS: Final = 409
+__all__ = ["openapi_document"]
 
 _MODELS: Final = (
     CreateSandboxRequest,
@@ -250,8 +248,6 @@ def _paths() -> dict[str, Any]:
 
 def openapi_document() -> dict[str, Any]:
     """The whole document. Raises nothing."""
-    from cc_server.server.dispatch_api import REQUEST_MODELS, openapi_paths  # imports this
-
     _, components = msgspec.json.schema_components(_MODELS + REQUEST_MODELS, ref_template=_REF)
     return {
         "openapi": "3.1.0",

@@ -26,10 +26,11 @@ from aiohttp import WSMsgType, web
 
 from cc_server.errors import BadSpec, CcServerError
 from cc_server.policy import SandboxBackend
-from cc_server.server.api import WS_CLOSE_BASE, WS_CLOSE_TIMEOUT_S, WS_HEARTBEAT_S, status_for
+from cc_server.server.api import WS_CLOSE_BASE, WS_CLOSE_TIMEOUT_S, WS_HEARTBEAT_S
 from cc_server.server.logs import log_event
 from cc_server.server.models import TerminalControl
 from cc_server.server.state import STATE
+from cc_server.server.status import status_for
 from cc_server.terminal import DEFAULT_WINDOW, TerminalSession
 
 __all__ = ["routes"]

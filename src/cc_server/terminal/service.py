@@ -119,9 +119,10 @@ class TerminalSessionService:
     async def _open_in_vm(
         self, handle: SandboxHandle, session_id: str, cwd: str | None, rows: int, cols: int
     ) -> TerminalSession:
-        """The shell in the guest, on the guest's PTY (cc_server.microvm.terminal)."""
+        """The shell in the guest, on the guest's PTY (cc_server.terminal.vm_session)."""
+        # Lazy imports: a server that never opens a VM terminal never loads the microVM modules.
         from cc_server.microvm.handle import MicroVMHandle
-        from cc_server.microvm.terminal import GUEST_SHELL, open_vm_terminal
+        from cc_server.terminal.vm_session import GUEST_SHELL, open_vm_terminal
 
         try:
             assert isinstance(handle, MicroVMHandle) and cwd is not None

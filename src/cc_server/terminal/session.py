@@ -45,7 +45,7 @@ def check_window(rows: int, cols: int) -> None:
 
 class HandleSession:
     """What every terminal session tells of itself, from the handle it runs under (a host PTY
-    here, a guest PTY in cc_server.microvm.terminal)."""
+    here, a guest PTY in cc_server.terminal.vm_session)."""
 
     handle: SandboxHandle
 

@@ -4,15 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cc_server.dispatch.guardrails import (
-    KIND_TOOL,
-    Action,
-    ActionKind,
-    ActionRefused,
-    Guardrail,
-    GuardrailChain,
-    standard_chain,
-)
+from cc_server.dispatch.actions import KIND_TOOL, Action, ActionKind, ActionRefused
+from cc_server.dispatch.guardrails import Guardrail, GuardrailChain, standard_chain
 from cc_server.policy import (
     STANDARD_DENY_CREATE_GLOBS,
     CompiledPolicy,

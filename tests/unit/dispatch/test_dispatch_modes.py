@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cc_server.dispatch.guardrails import ActionRefused
+from cc_server.dispatch.actions import ActionRefused
 from cc_server.dispatch.modes import (
     ALL_TOOLS,
     WRITE_TOOLS,

@@ -16,7 +16,8 @@ from cc_server.server.models import (
     SandboxEventView,
     SandboxHandleView,
 )
-from cc_server.server.openapi import BACKEND_UNAVAILABLE_STATUS, openapi_document
+from cc_server.server.openapi import openapi_document
+from cc_server.server.status import BACKEND_UNAVAILABLE_STATUS
 
 VIOLATION = SandboxViolation(action="network-outbound", target="evil.example:443",
                              suggested_capability="canCallGitHubApi", raw="line")
