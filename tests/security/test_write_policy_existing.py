@@ -139,7 +139,7 @@ async def test_an_existing_protected_file_cannot_be_changed(
 # the link nor the directory it leads to may be removed, renamed or replaced.
 SPELLING_ATTACKS: dict[str, tuple[str, str, str]] = {
     "rm-link": ("rm L", "file-write-unlink", "L"),
-    "re-point-link": ("ln -sfn elsewhere L", "file-write-create", "L"),
+    "re-point-link": ("ln -sfn elsewhere L", "file-write-rename", "L"),
     "rename-link": ("mv L L2", "file-write-rename", "L"),
     "rename-target-dir": ("mv real real2", "file-write-rename", "real"),
     "rename-onto-link": ("mkdir other && mv -T other L", "file-write-rename", "L"),

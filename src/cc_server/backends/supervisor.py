@@ -153,6 +153,13 @@ WRITE_SYSCALLS: Final[tuple[tuple[str | int, str], ...]] = (
     (452, "fchmodat2: changes a file's mode, also of a file the task has open"),
     ("connect", "a host process's Unix socket in a bind stays out (the launcher's connector)"),
 )
+# Refused outright with the path rules (EOPNOTSUPP, what a filesystem without xattrs answers, which
+# cp -a, tar and rsync take in their stride): a POSIX ACL is a mode change (it made a hook 0777),
+# and judging every name and value is not worth what xattrs are used for in a sandbox.
+# setxattrat and removexattrat (Linux 6.13) are 463 and 466 on every architecture.
+XATTR_WRITE_SYSCALLS: Final[tuple[str | int, ...]] = (
+    "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", 463, 466,
+)  # fmt: skip
 # An open of an existing file that can change its data: for writing, or with O_TRUNC.
 WRITE_OPEN_FLAGS: Final = (os.O_WRONLY, os.O_RDWR, os.O_TRUNC)
 SECCOMP_SET_MODE_FILTER: Final = 1
@@ -184,6 +191,8 @@ def notify_filter_bpf(*, writes: bool = False) -> bytes:
             flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, flag, flag))
         for call, _why in WRITE_SYSCALLS:
             flt.add_rule(sc.NOTIFY, call)
+        for call in XATTR_WRITE_SYSCALLS:
+            flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), call)
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
         flt.add_rule(sc.ERRNO(errno.EPERM), name)

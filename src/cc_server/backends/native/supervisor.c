@@ -150,6 +150,7 @@
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
 #define MAX_CONNECTS 64           /* connects the connector runs at once (launcher.c) */
 #define MAX_OWN_WORKTREES 64      /* .git/worktrees/<name> directories a sandbox made, tracked */
+#define MAX_PREFIXES 256          /* proper prefixes of the path patterns (prefix_hits) */
 #define PIN_IDLE_MS 1             /* a worker and a task held to one CPU for a run of opens
                                      (hold_here) get their own affinity back after this long
                                      without a call */
@@ -187,6 +188,8 @@ struct ccs {
     bool *pat_last_literal; /* ... with no glob character in it (compared as a string) */
     char **pat_first;      /* a tree pattern's first component, when it is a literal */
     int npats;
+    char **prefixes; /* the proper prefixes of the patterns of several components (prefix_hits) */
+    int nprefixes;
     char **roots;
     int nroots;
     char **exempts;
@@ -251,6 +254,7 @@ struct ccs {
     struct {
         dev_t dev;
         ino_t ino;
+        int fd; /* held open, so the inode (and its number) cannot be freed and reused */
     } own_wt[MAX_OWN_WORKTREES];
     int nown_wt;
 };
@@ -757,16 +761,11 @@ static bool bare_head(const char *rel, const char *name) {
 /* Whether the path rules refuse `full` (an absolute path in the task's view): an absolute
  * path at or below it, else a pattern matching the components below the outermost scope root
  * that holds it, unless an exempt root (a runner's own state directory) holds it. */
-static bool full_path_refused(const struct ccs *s, const char *full, const char *name,
-                              const char **which) {
-    for (int i = 0; i < s->nabsolutes; i++) {
-        if (path_under(full, s->absolutes[i])) {
-            *which = s->absolutes[i];
-            return true;
-        }
-    }
+/* `full` below the outermost scope root that holds it (NULL: none does, a runner's state
+ * directory holds it, or it is that root itself): where the patterns are matched. */
+static const char *rel_below_root(const struct ccs *s, const char *full) {
     if (s->npats == 0)
-        return false;
+        return NULL;
     const char *root = NULL;
     size_t best = 0;
     for (int i = 0; i < s->nroots; i++) {
@@ -777,14 +776,52 @@ static bool full_path_refused(const struct ccs *s, const char *full, const char 
         }
     }
     if (root == NULL)
-        return false;
+        return NULL;
     for (int i = 0; i < s->nexempts; i++)
         if (path_under(full, s->exempts[i]))
-            return false;
+            return NULL;
     const char *rel = full + best;
     while (*rel == '/')
         rel++;
-    if (*rel == '\0')
+    return *rel ? rel : NULL;
+}
+
+/* Whether `rel` (below a root) ends in a proper prefix of a pattern of several components
+ * (`.config` of the pattern `.config/git` and all below, `.git/worktrees/x` of a worktree's
+ * `commondir` pattern):
+ * what is renamed, exchanged, linked or symlinked to such a name would bring the protected
+ * path in with it, or take it away to be made again. */
+#define PATH_UNKNOWN_CARRY "(the directory's path could not be read)"
+#define ON_PATTERN_WAY "a directory on the way to a protected path: what is moved or linked " \
+                       "there would carry protected files in or out"
+static bool prefix_hits(const struct ccs *s, const char *rel) {
+    for (int i = 0; i < s->nprefixes; i++)
+        for (const char *at = rel; at; at = strchr(at, '/')) {
+            if (*at == '/')
+                at++;
+            if (fnmatch(s->prefixes[i], at, FNM_PATHNAME | FNM_CASEFOLD) == 0)
+                return true;
+        }
+    return false;
+}
+
+/* A name moved out of a repository's `.git` directory: with a `HEAD`, `objects` and `refs` it
+ * would be a bare repository elsewhere, with the config and hooks it brought. */
+#define OUT_OF_GIT "moved out of a .git directory: it would be a repository host git honours"
+static bool in_git_dir(const char *rel) {
+    return strncmp(rel, ".git/", 5) == 0 || strstr(rel, "/.git/") != NULL;
+}
+
+static bool full_path_refused(const struct ccs *s, const char *full, const char *name,
+                              const char **which) {
+    for (int i = 0; i < s->nabsolutes; i++) {
+        if (path_under(full, s->absolutes[i])) {
+            *which = s->absolutes[i];
+            return true;
+        }
+    }
+    const char *rel = rel_below_root(s, full);
+    if (rel == NULL)
         return false;
     if (bare_head(rel, name)) {
         *which = BARE_HEAD;
@@ -870,13 +907,49 @@ static void note_worktree_dir(struct ccs *s, int dir_fd, const char *name) {
     struct stat st;
     if (fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode))
         return;
+    int fd = openat(dir_fd, name, O_PATH | O_NOFOLLOW | O_DIRECTORY | O_CLOEXEC);
+    struct stat pinned;
+    if (fd < 0 || fstat(fd, &pinned) != 0 || pinned.st_ino != st.st_ino) {
+        close_fd(&fd);
+        return; /* not recorded: its commondir stays protected */
+    }
     pthread_mutex_lock(&s->wt_lock);
     if (s->nown_wt < MAX_OWN_WORKTREES) {
         s->own_wt[s->nown_wt].dev = st.st_dev;
         s->own_wt[s->nown_wt].ino = st.st_ino;
+        s->own_wt[s->nown_wt].fd = fd;
         s->nown_wt++;
+        fd = -1;
     }
     pthread_mutex_unlock(&s->wt_lock);
+    close_fd(&fd);
+}
+
+/* For a rename's sides and a name made as anything but a directory: prefix_hits on its judged
+ * path, and (`from_git`: the old side, with the new side's path in `to`) a move out of .git. */
+static bool carry_refused(const struct ccs *s, int dir_fd, const char *name, const char *to,
+                          const char **which) {
+    if (s->npats == 0)
+        return false;
+    if (!judge_path(dir_fd, name)) {
+        *which = PATH_UNKNOWN_CARRY;
+        return true;
+    }
+    const char *rel = rel_below_root(s, judged);
+    if (rel == NULL)
+        return false;
+    if (prefix_hits(s, rel)) {
+        *which = ON_PATTERN_WAY;
+        return true;
+    }
+    if (to != NULL && in_git_dir(rel)) {
+        const char *to_rel = rel_below_root(s, to);
+        if (to_rel == NULL || !in_git_dir(to_rel)) {
+            *which = OUT_OF_GIT;
+            return true;
+        }
+    }
+    return false;
 }
 
 /* Whether the object `fd` has no name a rule could protect: a pipe, a socket or another
@@ -2072,10 +2145,14 @@ static int name_for_create(struct req *q, const char *path, struct resolved *r, 
         return EEXIST;
     if (r->kind == RES_OBJECT)
         return EEXIST;
+    struct stat existing;
+    if (fstatat(r->dir_fd, r->name, &existing, AT_SYMLINK_NOFOLLOW) == 0)
+        return EEXIST; /* nothing would be made: the kernel's answer, not a refusal */
     const char *glob;
     if (glob_refused(q->s, r->dir_fd, r->name, &glob) ||
         path_refused(q->s, r->dir_fd, r->name, &glob) ||
-        (!is_mkdir && ancestor_refused(q->s, r->dir_fd, r->name, &glob))) {
+        (!is_mkdir && (ancestor_refused(q->s, r->dir_fd, r->name, &glob) ||
+                       carry_refused(q->s, r->dir_fd, r->name, NULL, &glob)))) {
         refuse_at(q, path, r->dir_fd, r->name, glob);
         *refused = true;
         return 0;
@@ -2287,11 +2364,25 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
             res_close(&rn);
             return;
         }
+        char to[PATH_MAX + NAME_MAX + 2], from[PATH_MAX + NAME_MAX + 2];
+        to[0] = from[0] = '\0';
+        if (judge_path(rn.dir_fd, rn.name))
+            snprintf(to, sizeof to, "%s", judged);
+        if (judge_path(ro.dir_fd, ro.name))
+            snprintf(from, sizeof from, "%s", judged);
         if (path_refused(s, ro.dir_fd, ro.name, &glob) ||
             ancestor_refused(s, ro.dir_fd, ro.name, &glob) ||
-            worktree_dir_refused(s, ro.dir_fd, ro.name, &glob)) {
+            worktree_dir_refused(s, ro.dir_fd, ro.name, &glob) ||
+            carry_refused(s, ro.dir_fd, ro.name, to, &glob)) {
             q->action = "file-write-rename";
             refuse(q, oldp, ro.name, glob);
+            res_close(&ro);
+            res_close(&rn);
+            return;
+        }
+        if (carry_refused(s, rn.dir_fd, rn.name, (flags & RENAME_EXCHANGE) ? from : NULL, &glob)) {
+            q->action = "file-write-rename";
+            refuse(q, newp, rn.name, glob);
             res_close(&ro);
             res_close(&rn);
             return;
@@ -3210,12 +3301,18 @@ static void destroy(struct ccs *s) {
     free(s->exempts);
     free(s->absolutes);
     free(s->sockdirs);
+    if (s->prefixes)
+        for (int i = 0; i < s->nprefixes; i++)
+            free(s->prefixes[i]);
+    free(s->prefixes);
     if (s->conn_fd >= 0)
         close(s->conn_fd);
     if (s->diag_fd >= 0)
         close(s->diag_fd);
     pthread_mutex_destroy(&s->diag_lock);
     pthread_mutex_destroy(&s->conn_lock);
+    for (int i = 0; i < s->nown_wt; i++)
+        close(s->own_wt[i].fd);
     pthread_mutex_destroy(&s->wt_lock);
     free(s->glob_blob);
     free(s->groups);
@@ -3290,9 +3387,10 @@ struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, 
     s->exempts = calloc(entries, sizeof(char *));
     s->absolutes = calloc(entries, sizeof(char *));
     s->sockdirs = calloc(entries, sizeof(char *));
+    s->prefixes = calloc(MAX_PREFIXES, sizeof(char *));
     if (!s->globs || !s->forms || !s->pats || !s->pat_tree || !s->pat_last ||
         !s->pat_last_literal || !s->pat_first || !s->roots ||
-        !s->exempts || !s->absolutes || !s->sockdirs)
+        !s->exempts || !s->absolutes || !s->sockdirs || !s->prefixes)
         goto oom;
     char *g = s->glob_blob;
     for (size_t i = 0; i < entries; i++) {
@@ -3329,6 +3427,15 @@ struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, 
             s->pat_last_literal[s->npats] =
                 !tree && strcspn(s->pat_last[s->npats], "*?[\\") == strlen(s->pat_last[s->npats]);
             s->pats[s->npats++] = text;
+            /* Its proper prefixes, component by component (".git/worktrees/x" and the like). */
+            for (const char *slash = strchr(text, '/'); slash; slash = strchr(slash + 1, '/')) {
+                if (s->nprefixes == MAX_PREFIXES)
+                    break;
+                char *prefix = strndup(text, (size_t)(slash - text));
+                if (!prefix)
+                    goto oom;
+                s->prefixes[s->nprefixes++] = prefix;
+            }
             break;
         }
         case 'r':
