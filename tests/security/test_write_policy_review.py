@@ -20,6 +20,7 @@ attacks keeps working.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pathlib
@@ -249,7 +250,13 @@ async def test_the_supervisor_refuses_and_reports_once(
     assert "RESULT=refused [Errno 13]" in out, out
     assert _state(wt) == before, out
     assert not (wt / NEW_HOOK).exists() and not (wt / "s_alias").exists(), out
-    assert _refusals(handle) == [(action, f"{wt}/{rel}")], (_refusals(handle), out)
+    refusals = _refusals(handle)
+    if name.startswith("proc-"):
+        # Through another process's procfs link: refused at the link itself (the supervisor
+        # follows only the task's own), one violation naming the link.
+        assert len(refusals) == 1 and refusals[0][1].startswith("/proc/"), (refusals, out)
+    else:
+        assert refusals == [(action, f"{wt}/{rel}")], (refusals, out)
 
 
 # --- refused before the supervisor: the kernel or the filter -------------------------------------
@@ -689,7 +696,9 @@ async def test_another_spelling_of_a_host_socket_stays_out(
         handle, out = await run_attack(sb, tmp_path, "import socket\n" + CONNECT_SPELLINGS[name])
     assert "RESULT=refused [Errno 13]" in out, out
     assert host.contacts == 0, out
-    assert _refusals(handle) == [("network-outbound", f"{wt}/host.sock")], (_refusals(handle), out)
+    refusals = _refusals(handle)
+    by_link = len(refusals) == 1 and refusals[0][1].startswith("/proc/")  # another's procfs link
+    assert by_link or refusals == [("network-outbound", f"{wt}/host.sock")], (refusals, out)
 
 
 async def test_host_listeners_by_other_names_stay_out(
@@ -901,7 +910,7 @@ async def test_through_the_server_the_review_s_attacks_are_refused(tmp_path: pat
     assert refusals == sorted([
         ("file-write-mode", f"{work}/{HOOK}"),
         ("file-write-data", f"{work}/linked/.git"),
-        ("file-write-create", f"{work}/{NEW_HOOK}"),
+        ("file-write-data", "/proc/1/root"),  # another process's link: refused there
         ("file-write-unlink", f"{work}/sub/.vscode"),
     ]), result  # fmt: skip
     assert _state(work) == before
@@ -946,3 +955,314 @@ def test_as_an_unprivileged_user_the_review_s_attacks_are_refused(
     assert not (user_dir / "s_alias").exists()
     for verb in ("file-write-mode", "file-write-create", "file-write-data", "file-write-unlink"):
         assert verb in done.stderr, done.stderr
+
+
+# --- ready-to-paste tests: each asserts the SAFE outcome and FAILS today --------------------------
+# (append to tests/security/test_write_policy_review.py, and add `import asyncio` at its top)
+
+FIXED_ESCAPES: dict[str, tuple[str, str, str]] = {
+    # A POSIX ACL written with setxattr is a chmod by another name: the owner bits follow
+    # ACL_USER_OBJ, so the hook becomes executable (0777). setxattr is not trapped.
+    "acl-setxattr-makes-a-hook-executable": (
+        "import struct\n"
+        "acl = struct.pack('<I', 2) + b''.join(struct.pack('<HHI', tag, 7, 0xffffffff)"
+        " for tag in (1, 4, 0x20))\n"
+        f"os.setxattr('{HOOK}', 'system.posix_acl_access', acl)",
+        "file-write-mode", HOOK,
+    ),
+    # A directory holding git/config renamed to .config: .config/git/config exists, never
+    # created under its protected name (only multi-component patterns with an unprotected
+    # first component are open to this).
+    "dir-renamed-to-dot-config": (
+        "os.makedirs('s_stage/git')\n"
+        "open('s_stage/git/config', 'w').write('[core]\\n\\tfsmonitor = evil\\n')\n"
+        "os.rename('s_stage', 'sub/.config')",
+        "file-write-rename", "sub/.config",
+    ),
+    "dir-renamed-to-dot-config-fish": (
+        "os.makedirs('sub/.config')\nos.makedirs('s_stage')\n"
+        "open('s_stage/config.fish', 'w').write('evil\\n')\n"
+        "os.rename('s_stage', 'sub/.config/fish')",
+        "file-write-rename", "sub/.config/fish",
+    ),
+    "dir-exchanged-with-dot-config": (
+        "os.makedirs('sub/.config')\nos.makedirs('s_stage/systemd/user')\n"
+        "open('s_stage/systemd/user/evil.service', 'w').write('[Service]\\nExecStart=/evil\\n')\n"
+        "if libc.renameat2(-100, b's_stage', -100, b'sub/.config', 2): fail()",
+        "file-write-rename", "sub/.config",
+    ),
+    # A directory holding commondir renamed into .git/worktrees/<name>.
+    "dir-renamed-into-git-worktrees": (
+        "os.makedirs('repoA/.git/worktrees')\nos.makedirs('s_stage')\n"
+        "open('s_stage/commondir', 'w').write('/evil\\n')\n"
+        "os.rename('s_stage', 'repoA/.git/worktrees/w')",
+        "file-write-rename", "repoA/.git/worktrees/w",
+    ),
+    # HEAD is refused outside a .git directory, but a directory made inside .git (where HEAD
+    # is git's) and renamed out carries HEAD, objects/ and refs/ with it: a bare repository whose
+    # config host git honours.
+    "bare-repository-renamed-out-of-git": (
+        "os.makedirs('repoA/.git/x/objects'); os.makedirs('repoA/.git/x/refs')\n"
+        "os.makedirs('repoA/.git/x/hooks')\n"
+        "open('repoA/.git/x/hooks/pre-commit', 'w').write('#!/bin/sh\\necho evil\\n')\n"
+        "open('repoA/.git/x/config', 'w').write('[core]\\n\\tbare = true\\n')\n"
+        "open('repoA/.git/x/HEAD', 'w').write('ref: refs/heads/main\\n')\n"
+        "os.rename('repoA/.git/x', 's_bare')",
+        "file-write-rename", "repoA/.git/x",
+    ),
+    # The same with a symlink in place of the rename: the unprotected component made a link
+    # to a directory that holds the protected names.
+    "symlink-named-dot-config": (
+        "os.makedirs('s_stage/git')\n"
+        "open('s_stage/git/config', 'w').write('[core]\\n\\tfsmonitor = evil\\n')\n"
+        "os.symlink('../s_stage', 'sub/.config')",
+        "file-write-create", "sub/.config",
+    ),
+    "symlink-named-git-worktrees": (
+        "os.makedirs('s_wt/w')\nopen('s_wt/w/commondir', 'w').write('/evil\\n')\n"
+        "os.symlink('../../s_wt', 'repoA/.git/worktrees')",
+        "file-write-create", "repoA/.git/worktrees",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(FIXED_ESCAPES))
+async def test_review_escape(sb: Sandboxes, tmp_path: pathlib.Path, name: str) -> None:
+    wt = sb.worktree
+    _plant(wt)
+    body, _action, _rel = FIXED_ESCAPES[name]  # the verb and target a fix would naturally report
+    before = _state(wt)
+    handle, out = await run_attack(sb, tmp_path, body)
+    # EACCES (a refusal, one violation), or EOPNOTSUPP for the ACL (xattr writes are refused
+    # outright under the write policy, as by a filesystem without them).
+    acl = name.startswith("acl-")
+    assert f"RESULT=refused [Errno {95 if acl else 13}]" in out, out
+    after = _state(wt)
+    # What existed is unchanged; what the attack made on its way (the directories it staged
+    # before the refused step) carries no protected path: no config, hooks or commondir.
+    assert {k: v for k, v in after.items() if k in before} == before, out
+    host_run = {"config", "commondir", "config.fish", "evil.service", "pre-commit"}
+    planted = {k for k in after.keys() - before.keys() if pathlib.Path(k).name in host_run}
+    assert not {k for k in planted if not k.startswith("repoA/.git/x/")}, (planted, out)
+    assert not (wt / "s_bare" / "HEAD").exists(), out
+    refusals = _refusals(handle)
+    if acl:
+        assert refusals == [], (refusals, out)
+    else:
+        assert len(refusals) == 1 and refusals[0][0].startswith("file-write-"), (refusals, out)
+
+
+async def test_review_escape_protected_dir_renamed_away(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # An existing .config/git/config moved away by renaming the unprotected directory above it;
+    # a new one can then be moved in (see above).
+    wt = sb.worktree
+    _plant(wt)
+    (wt / "sub" / ".config" / "git").mkdir(parents=True)
+    (wt / "sub" / ".config" / "git" / "config").write_text("[user]\n")
+    before = _state(wt)
+    body = "os.rename('sub/.config', 's_old')"
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=refused [Errno 13]" in out, out
+    assert _state(wt) == before, out
+
+
+async def test_review_escape_supervisor_opens_a_non_dumpable_process_s_fds(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # PID 1 (the launcher) and the connector are not dumpable: the task's own open of
+    # /proc/1/fd/N is refused (EACCES), but the same open with O_WRONLY (trapped) is made by the
+    # supervisor, which owns the sandbox's user namespace, and the object (PID 1's stderr pipe,
+    # the connector's stdin) is handed to the task.
+    body = (
+        "conn = [int(n) for n in os.listdir('/proc') if n.isdigit()\n"
+        "        and 'Seccomp_filters:\\t1' in open(f'/proc/{n}/status').read()]\n"
+        "opened = []\n"
+        "for pid in (1, conn[0]):\n"
+        "    for n in os.listdir(f'/proc/{pid}/fd'):\n"
+        "        for flags in (os.O_RDONLY, os.O_WRONLY, os.O_RDWR):\n"
+        "            try:\n"
+        "                fd = os.open(f'/proc/{pid}/fd/{n}', flags)\n"
+        "                opened.append((pid, n, flags, os.readlink(f'/proc/self/fd/{fd}')))\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "print('opened', opened)\n"
+        "if opened: fd = os.open('/proc/1/fd/2', os.O_RDWR); os.write(fd, b'SPOOFED\\n')\n"
+    )
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert "opened []" in out, out
+async def test_review_gap_a_file_where_a_protected_spelling_needs_a_directory(
+    sb: Sandboxes,
+) -> None:
+    # Minor: mkfifo/symlink/bind at M are refused (ancestor_refused: "may not be made as
+    # anything but a directory"), but an open(O_CREAT) of M is not checked against it.
+    wt = sb.worktree
+    handle = sb.launch(protectedPaths=[str(wt / "M" / "settings.json")])
+    result = await sb.sh(handle, f"cd {wt} && {{ echo x > M; }}; echo rc=$?")
+    out = output(result)
+    assert "rc=0" not in out and not (wt / "M").exists(), out
+    assert _refusals(handle) == [("file-write-create", f"{wt}/M")], out
+
+
+async def test_review_gap_a_bind_whose_root_is_a_git_directory(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # A writable bind whose root is a repository's git directory (say, the main repository of a
+    # linked worktree): the patterns are matched below the bind root, so `config` and
+    # `hooks/pre-commit` there are ordinary names.
+    other = tmp_path / "other"
+    _repo(other)
+    gitdir = other / ".git"
+    before = (gitdir / "config").read_bytes()
+    handle = sb.launch(bindMounts=[{"hostPath": str(sb.worktree)}, {"hostPath": str(gitdir)}])
+    result = await sb.sh(handle, (
+        f"cd {gitdir} && echo '[core] fsmonitor = evil' >> config; echo cfg=$?; "
+        "echo evil > hooks/pre-commit; echo hook=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert "cfg=0" not in out and "hook=0" not in out, out
+    assert (gitdir / "config").read_bytes() == before
+    assert not (gitdir / "hooks" / "pre-commit").exists()
+
+
+async def test_review_gap_mkdir_p_through_an_existing_git_is_reported(sb: Sandboxes) -> None:
+    # Ordinary work: `mkdir -p repoA/.git/info` calls mkdir("repoA/.git"), which the kernel
+    # answers EEXIST (nothing would be made); the supervisor refuses it with EACCES and reports a
+    # violation (mkdir -p then carries on): a refusal of nothing, reported to the run and model.
+    wt = sb.worktree
+    _plant(wt)
+    handle = sb.launch()
+    result = await sb.sh(handle, f"cd {wt} && mkdir -p repoA/.git/info/x && echo rc=$?")
+    out = output(result)
+    assert "rc=0" in out, out
+    assert handle.violations == [], _refusals(handle)
+
+
+async def test_review_escape_netlink_groups_through_the_supervisor(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # The supervisor binds (every bind is trapped) and, for a non-blocking socket of another
+    # family, connects the task's socket itself, as the owner of the sandbox's user namespace:
+    # CAP_NET_ADMIN in the sandbox's network namespace. A netlink socket then joins (bind) or
+    # sends to (connect) multicast groups the task itself may not: its own
+    # setsockopt(NETLINK_ADD_MEMBERSHIP) and a blocking connect (the connector) get EPERM.
+    body = (
+        "import socket\nresults = []\n"
+        "for proto in (6, 12):  # NETLINK_XFRM, NETLINK_NETFILTER: no unprivileged groups\n"
+        "    s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, proto)\n"
+        "    try:\n"
+        "        s.setsockopt(270, 1, 1); results.append('own-membership')\n"
+        "    except OSError as e:\n"
+        "        results.append(e.errno)\n"
+        "    try:\n"
+        "        s.bind((0, 0xffffffff)); results.append('BOUND-TO-GROUPS')\n"
+        "    except OSError as e:\n"
+        "        results.append(e.errno)\n"
+        "    c = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, proto); c.setblocking(False)\n"
+        "    try:\n"
+        "        c.connect((0, 1)); results.append('CONNECTED-TO-GROUP')\n"
+        "    except OSError as e:\n"
+        "        results.append(e.errno)\n"
+        "print('results', results)\n"
+    )
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert "results [1, 1, 1, 1, 1, 1]" in out, out
+
+
+def _linked_worktree(wt: pathlib.Path) -> pathlib.Path:
+    """A host linked worktree wt/wt2 of repoA (its pointer names .git/worktrees/w)."""
+    _repo(wt / "repoA")
+    w = wt / "repoA" / ".git" / "worktrees" / "w"
+    w.mkdir(parents=True)
+    (w / "commondir").write_text("../..\n")
+    (w / "gitdir").write_text(f"{wt}/wt2/.git\n")
+    (wt / "wt2").mkdir()
+    (wt / "wt2" / ".git").write_text(f"gitdir: {w}\n")
+    return w
+
+
+async def test_review_escape_git_worktrees_renamed_away_then_made_again(sb: Sandboxes) -> None:
+    # .git/worktrees itself is no protected name: moved away with every host worktree's
+    # directory in it, then made again; w, made by the sandbox now, counts as its own, so its
+    # commondir (which the host's pointer wt2/.git follows) is written.
+    wt = sb.worktree
+    w = _linked_worktree(wt)
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"cd {wt}; mv repoA/.git/worktrees s_away; echo mv=$?; "
+        "mkdir repoA/.git/worktrees repoA/.git/worktrees/w; "
+        "echo /evil > repoA/.git/worktrees/w/commondir; echo commondir=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert "mv=0" not in out and "commondir=0" not in out, out
+    assert (w / "commondir").read_text() == "../..\n", out
+    assert not (wt / "s_away").exists(), out
+
+
+async def test_review_escape_own_worktree_inode_reused_by_the_host(sb: Sandboxes) -> None:
+    # The sandbox's own worktree directories are known by dev:ino, and stay known after the
+    # sandbox removes them: a directory the host makes later (git worktree add on the host, a
+    # dispatch of another conversation) that reuses one of those inode numbers counts as the
+    # sandbox's own, and its commondir is written.
+    wt = sb.worktree
+    _repo(wt / "repoA")
+    wts = wt / "repoA" / ".git" / "worktrees"
+    wts.mkdir()
+    handle = sb.launch()
+    script = (
+        f"cd {wt} && for i in $(seq 1 16); do mkdir repoA/.git/worktrees/s$i; done; "
+        "stat -c %i repoA/.git/worktrees/s* > s_inodes; "
+        "for i in $(seq 1 16); do rmdir repoA/.git/worktrees/s$i; done; touch s_ready; "
+        "while [ ! -e s_go ]; do sleep 0.05; done; "
+        "for d in repoA/.git/worktrees/*; do echo /evil > $d/commondir && echo WROTE $d; done; "
+        "echo done"
+    )
+    task = asyncio.create_task(sb.sh(handle, script))
+    for _ in range(200):
+        if (wt / "s_ready").exists():
+            break
+        await asyncio.sleep(0.05)
+    freed = {int(line) for line in (wt / "s_inodes").read_text().split()}
+    reused = []
+    for i in range(400):  # the host's own linked worktrees, made while the sandbox runs
+        d = wts / f"host{i}"
+        d.mkdir()
+        if d.stat().st_ino in freed:
+            (d / "commondir").write_text("../..\n")
+            reused.append(d)
+        else:
+            d.rmdir()
+        if len(reused) == 2:
+            break
+    (wt / "s_go").touch()
+    out = output(await task)
+    # The supervisor holds each of its own directories open, so none of those inodes is freed
+    # while the sandbox lives (without that, a reuse happened on every run and WROTE followed).
+    assert reused == [], reused
+    assert "WROTE" not in out, out
+    assert all((d / "commondir").read_text() == "../..\n" for d in reused), out
+
+
+async def test_review_escape_a_gitdir_not_named_dot_git(sb: Sandboxes) -> None:
+    # The gitdir a `.git` file points at (git init --separate-git-dir, issue 14: "and the gitdir
+    # that a .git file points at") and an existing bare repository in the bind (host `git push`
+    # to it runs its hooks) are matched by no pattern: their config and hooks are ordinary names.
+    wt = sb.worktree
+    (wt / "store").mkdir()
+    subprocess.run(
+        ["git", "init", "-q", "--separate-git-dir", str(wt / "store" / "r.git"), str(wt / "proj")],
+        check=True,
+    )
+    subprocess.run(["git", "init", "-q", "--bare", str(wt / "bare.git")], check=True)
+    before = _state(wt)
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"cd {wt}; echo '[core] fsmonitor = evil' >> store/r.git/config; echo cfg=$?; "
+        "echo evil > store/r.git/hooks/pre-commit; echo hook=$?; "
+        "echo '[core] fsmonitor = evil' >> bare.git/config; echo bare_cfg=$?; "
+        "echo evil > bare.git/hooks/post-update; echo bare_hook=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert [line for line in out.splitlines() if line.endswith("=0")] == [], out
+    assert _state(wt) == before, out

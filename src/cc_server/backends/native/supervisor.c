@@ -952,6 +952,96 @@ static bool carry_refused(const struct ccs *s, int dir_fd, const char *name, con
     return false;
 }
 
+/* A repository's git directory by its shape, whatever its name (a `--separate-git-dir` store, a
+ * bare repository, a bind whose root is a `.git`): a regular HEAD, objects/ and refs/. Its
+ * config, commondir, config.worktree, hooks/ and modules/, and a linked worktree's commondir
+ * and config.worktree below its worktrees/, are protected as a `.git`'s are. Looked at only
+ * when the judged path has one of those names in it, so a create elsewhere pays a string
+ * search. */
+#define GIT_DIR_SHAPED "a repository's git directory (HEAD, objects, refs): host git honours " \
+                       "its config and hooks"
+static bool gitdir_shaped(int fd) {
+    struct stat st;
+    return fstatat(fd, "HEAD", &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+           fstatat(fd, "objects", &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode) &&
+           fstatat(fd, "refs", &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+}
+
+static bool git_control_name(const char *name) {
+    static const char *const names[] = {"config", "commondir", "config.worktree", "hooks",
+                                        "modules", NULL};
+    for (int i = 0; names[i]; i++)
+        if (strcmp(name, names[i]) == 0)
+            return true;
+    return false;
+}
+
+static bool gitdir_refused(const struct ccs *s, int dir_fd, const char *name, const char **which) {
+    if (s->npats == 0 || rel_below_root(s, judged) == NULL)
+        return false;
+    const char *base = strrchr(judged, '/');
+    base = base ? base + 1 : judged;
+    bool deep = strstr(judged, "/hooks/") || strstr(judged, "/modules/") ||
+                strstr(judged, "/worktrees/");
+    if (!name[0]) {
+        /* An object (through the task's own procfs link): its directory is not pinned here;
+         * a git-control name is refused outright. */
+        if (git_control_name(base) || deep) {
+            *which = GIT_DIR_SHAPED;
+            return true;
+        }
+        return false;
+    }
+    if (git_control_name(name) && gitdir_shaped(dir_fd)) {
+        *which = GIT_DIR_SHAPED;
+        return true;
+    }
+    if (!deep && !(strcmp(name, "commondir") == 0 || strcmp(name, "config.worktree") == 0))
+        return false;
+    /* Up from the pinned directory: below hooks/ or modules/ of a git directory, or a
+     * worktree's own file in <git dir>/worktrees/<name>/. */
+    bool refused = false;
+    int cur = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
+    for (int depth = 0; cur >= 0 && depth < 16 && !refused; depth++) {
+        char link[64], path[PATH_MAX];
+        snprintf(link, sizeof link, "/proc/self/fd/%d", cur);
+        ssize_t n = readlink(link, path, sizeof path - 1);
+        if (n <= 1)
+            break;
+        path[n] = '\0';
+        if (rel_below_root(s, path) == NULL)
+            break; /* at (or above) the writable root: nothing further up is judged */
+        const char *cur_name = strrchr(path, '/') + 1;
+        int parent = openat(cur, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        if (parent < 0)
+            break;
+        if ((strcmp(cur_name, "hooks") == 0 || strcmp(cur_name, "modules") == 0) &&
+            gitdir_shaped(parent))
+            refused = true;
+        if (!refused && depth == 0 &&
+            (strcmp(name, "commondir") == 0 || strcmp(name, "config.worktree") == 0)) {
+            char plink[64], ppath[PATH_MAX];
+            snprintf(plink, sizeof plink, "/proc/self/fd/%d", parent);
+            ssize_t m = readlink(plink, ppath, sizeof ppath - 1);
+            int grand = m > 0 ? openat(parent, "..", O_PATH | O_DIRECTORY | O_CLOEXEC) : -1;
+            if (m > 0)
+                ppath[m] = '\0';
+            if (grand >= 0 && strcmp(strrchr(ppath, '/') + 1, "worktrees") == 0 &&
+                gitdir_shaped(grand) && !own_worktree((struct ccs *)s, cur))
+                refused = true;
+            close_fd(&grand);
+        }
+        close(cur);
+        cur = parent;
+        if (strcmp(path, "/") == 0)
+            break;
+    }
+    close_fd(&cur);
+    if (refused)
+        *which = GIT_DIR_SHAPED;
+    return refused;
+}
+
 /* Whether the object `fd` has no name a rule could protect: a pipe, a socket or another
  * anonymous inode (its link is "pipe:[N]" and the like, reached through /proc/self/fd/N, as
  * `echo > /dev/stderr` does), or a file whose last name is gone. */
@@ -978,7 +1068,7 @@ static bool path_refused(const struct ccs *s, int dir_fd, const char *name, cons
     }
     const char *base = strrchr(judged, '/');
     if (!full_path_refused(s, judged, base ? base + 1 : judged, which))
-        return false;
+        return gitdir_refused(s, dir_fd, name, which);
     return !(name[0] && strncmp(*which, WORKTREE_PATTERNS, strlen(WORKTREE_PATTERNS)) == 0 &&
              own_worktree((struct ccs *)s, dir_fd));
 }
@@ -1395,6 +1485,25 @@ static bool kernel_object(int fd) {
     }
 }
 
+/* Whether the procfs directory `fd` (where a magic link is met) is the task's own process's:
+ * /proc/<its pid>/..., in its view. */
+static bool own_proc_dir(struct req *q, int fd) {
+    char link[64], path[PATH_MAX];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (n <= 6 || strncmp(path, "/proc/", 6) != 0 || q->ti.ns_tgid <= 0)
+        return false;
+    path[n] = '\0';
+    char *end;
+    long pid = strtol(path + 6, &end, 10);
+    return end != path + 6 && (*end == '/' || *end == '\0') && pid == q->ti.ns_tgid;
+}
+
+#define DEPUTY_LINK "another process's procfs link: the supervisor would follow it with more " \
+                    "reach than the task has"
+static void report_refusal(struct req *q, const char *target, const char *name,
+                           const char *rule, const char *action);
+
 static bool is_procfs_root(int fd, bool *in_procfs) {
     struct statfs sf;
     struct stat st;
@@ -1617,7 +1726,16 @@ static int resolve(struct req *q, int dirfd, const char *path, bool follow_final
                 snprintf(target, sizeof target, "%ld/task/%ld", q->ti.ns_tgid, q->ti.ns_tid);
         } else if (in_procfs && !proc_root) {
             /* A procfs magic link (fd/N, cwd, root, exe, ...): the kernel follows it to the
-             * task's own object. */
+             * task's own object. Only the task's own: another process's would be followed
+             * with the supervisor's reach (it owns the sandbox's user namespace, so the
+             * kernel's ptrace check passes where the task's would not). */
+            if (!own_proc_dir(q, cur)) {
+                judge_path(cur, comp);
+                report_refusal(q, path, comp, DEPUTY_LINK,
+                               q->action ? q->action : "file-write-data");
+                err = EACCES;
+                goto done;
+            }
             int nfd = openat(cur, comp, O_PATH | O_CLOEXEC);
             if (nfd < 0) {
                 err = errno;
@@ -1746,6 +1864,14 @@ static long keeper_of(struct ccs *s, pid_t tid) {
         inner = up_inner;
     }
     return 0;
+}
+
+/* One refusal record, the call answered by the caller. */
+static void report_refusal(struct req *q, const char *target, const char *name,
+                           const char *rule, const char *action) {
+    atomic_fetch_add(&q->s->refused, 1);
+    report_keeper(q->s, KIND_REFUSED, q->sysname, target, name, rule,
+                  keeper_of(q->s, (pid_t)q->n->pid), action, judged);
 }
 
 /* `q->action` names the verb (file-write-create unless the call set another); the resolved
@@ -1957,7 +2083,8 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
             close(start);
         if (parent < 0)
             return false;
-        if (path_refused(s, parent, name, &glob)) {
+        if (path_refused(s, parent, name, &glob) ||
+            ((flags & O_CREAT) && ancestor_refused(s, parent, name, &glob))) {
             close(parent);
             return false;
         }
@@ -2075,7 +2202,10 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
     } else {
         /* A matching name may be opened only if it exists: O_CREAT is dropped, so this open
          * can never create it, whatever happens to the directory meanwhile. */
-        if (path_refused(s, r.dir_fd, r.name, &glob)) {
+        struct stat named;
+        bool named_exists = fstatat(r.dir_fd, r.name, &named, AT_SYMLINK_NOFOLLOW) == 0;
+        if (path_refused(s, r.dir_fd, r.name, &glob) ||
+            ((flags & O_CREAT) && !named_exists && ancestor_refused(s, r.dir_fd, r.name, &glob))) {
             struct stat st;
             bool exists = fstatat(r.dir_fd, r.name, &st, AT_SYMLINK_NOFOLLOW) == 0;
             q->action = open_action(flags, exists);
@@ -2627,9 +2757,11 @@ static bool socket_call(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t a
 struct connect_request {
     uint64_t id;
     uint32_t addrlen;
-    uint32_t has_target;
+    uint32_t has_target; /* bit 0: a target fd is attached; bit 1: bind, not connect */
     unsigned char addr[128];
 };
+#define CONNECT_TARGET 1u
+#define CONNECT_BIND 2u
 struct connect_reply {
     uint64_t id;
     int32_t err;
@@ -2704,9 +2836,13 @@ static bool sockdir_allowed(const struct ccs *s) {
 }
 
 /* Hand one connect to the connector; conn_main answers it. */
-static void connect_via(struct req *q, int sock, int target, const void *addr, uint32_t addrlen) {
+static void connect_via(struct req *q, int sock, int target, const void *addr, uint32_t addrlen,
+                        bool bind_it) {
     struct ccs *s = q->s;
-    struct connect_request rq = {.id = q->n->id, .addrlen = addrlen, .has_target = target >= 0};
+    struct connect_request rq = {
+        .id = q->n->id, .addrlen = addrlen,
+        .has_target = (target >= 0 ? CONNECT_TARGET : 0) | (bind_it ? CONNECT_BIND : 0),
+    };
     memcpy(rq.addr, addr, addrlen);
     pthread_mutex_lock(&s->conn_lock);
     int err = s->conn_dead ? ECONNREFUSED : s->nconn_pending == MAX_CONNECTS ? EAGAIN : 0;
@@ -2841,7 +2977,7 @@ static void do_connect(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t ad
                                            : HOST_LISTENER);
                 return;
             }
-            connect_via(q, sock, obj, NULL, 0);
+            connect_via(q, sock, obj, NULL, 0, false);
             return;
         }
         close_fd(&obj);
@@ -2849,14 +2985,17 @@ static void do_connect(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t ad
         respond(s, q->n->id, 0, err);
         return;
     }
+    /* Only an IP socket is connected here: the supervisor's reach in the sandbox's network
+     * namespace (it owns its user namespace) is more than the task's, and a netlink connect
+     * to a multicast group would use it. */
     int fl = fcntl(sock, F_GETFL);
-    if (domain != AF_UNIX && fl >= 0 && (fl & O_NONBLOCK)) {
+    if ((domain == AF_INET || domain == AF_INET6) && fl >= 0 && (fl & O_NONBLOCK)) {
         err = connect(sock, (struct sockaddr *)&addr, (socklen_t)addrlen) < 0 ? errno : 0;
         close(sock);
         respond(s, q->n->id, 0, err);
         return;
     }
-    connect_via(q, sock, -1, &addr, (uint32_t)addrlen);
+    connect_via(q, sock, -1, &addr, (uint32_t)addrlen, false);
 }
 
 static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen) {
@@ -2896,6 +3035,17 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
         close(sock);
         if (!refused)
             respond(s, q->n->id, 0, err);
+        return;
+    }
+    if (s->conn_fd >= 0) {
+        /* Any other bind is made by the connector, with the task's own reach (a netlink
+         * socket's multicast groups need CAP_NET_ADMIN, which the supervisor has there). */
+        connect_via(q, sock, -1, &addr, (uint32_t)addrlen, true);
+        return;
+    }
+    if (domain != AF_INET && domain != AF_INET6 && domain != AF_UNIX) {
+        close(sock);
+        respond(s, q->n->id, 0, EPERM); /* no connector (the library's own tests): not here */
         return;
     }
     if (addr.ss_family == AF_INET || addr.ss_family == AF_INET6) {
