@@ -85,10 +85,12 @@ def tree_digest(root: pathlib.Path) -> dict[str, str]:
 
 
 def dispatch_app(service: DispatchService) -> web.Application:
-    """An aiohttp app with the dispatch routes over `service` (for TestClient)."""
+    """An aiohttp app with the dispatch routes over `service` (for TestClient), its errors
+    answered by the server's own middleware."""
     from cc_server.server.dispatch_api import DISPATCH, routes
+    from cc_server.server.status import answer_errors
 
-    app = web.Application()
+    app = web.Application(middlewares=[answer_errors])
     app[DISPATCH] = service
     app.router.add_routes(routes)
     return app

@@ -24,7 +24,7 @@ from cc_server.cli_spec import (
     command_env,
 )
 from cc_server.cli_violations import ViolationPrinter, print_live
-from cc_server.errors import BadSpec, CcServerError
+from cc_server.errors import BadSpec, CcServerError, ConfigError
 from cc_server.policy import (
     HostFacts,
     Mode,
@@ -561,6 +561,12 @@ def _settings_keys(top: argparse.ArgumentParser, verb: str) -> dict[str, argpars
     return settings_keys(sub.choices[verb])
 
 
+def exit_code_for(exc: CcServerError) -> int:
+    """The exit code of a run refused with `exc`: usage for the caller's or the operator's
+    mistake (BadSpec, ConfigError; the user is both here), else EXIT_REFUSED."""
+    return EXIT_USAGE if isinstance(exc, BadSpec | ConfigError) else EXIT_REFUSED
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `cc-server` console script."""
     try:
@@ -580,7 +586,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _cmd_run(args)
     except CcServerError as exc:
         print(f"cc-server: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, BadSpec) else EXIT_REFUSED
+        return exit_code_for(exc)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

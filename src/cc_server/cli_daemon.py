@@ -130,7 +130,7 @@ class _Daemon:
     ) -> int:
         from cc_server import cli
         from cc_server.cli_violations import print_live
-        from cc_server.errors import BadSpec, CcServerError
+        from cc_server.errors import CcServerError
         from cc_server.policy import SandboxBackend
 
         err = os.fdopen(os.dup(stdio[2]), "w", buffering=1, closefd=True)
@@ -141,7 +141,7 @@ class _Daemon:
                 return exc.code if isinstance(exc.code, int) else cli.EXIT_USAGE
             except CcServerError as exc:
                 print(f"cc-server: {type(exc).__name__}: {exc}", file=err)
-                return cli.EXIT_USAGE if isinstance(exc, BadSpec) else cli.EXIT_REFUSED
+                return cli.exit_code_for(exc)
             env = request.get("env")
             environ = env if isinstance(env, dict) else {}
             environ = {**environ, "PATH": os.environ.get("PATH", "")}  # keyed: the client's own
@@ -173,7 +173,7 @@ class _Daemon:
                 return code
             except CcServerError as exc:
                 print(f"cc-server: {type(exc).__name__}: {exc}", file=err)
-                return cli.EXIT_USAGE if isinstance(exc, BadSpec) else cli.EXIT_REFUSED
+                return cli.exit_code_for(exc)
             finally:
                 if handle is not None:
                     await self.manager.destroy(handle.session_id)

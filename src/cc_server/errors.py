@@ -20,6 +20,19 @@ class BadSpec(CcServerError):
     """The caller's spec or options are wrong: fix the input and retry."""
 
 
+class Closed(CcServerError):
+    """The sandbox was destroyed or failed: it takes no more commands. Launch a new one."""
+
+
+class LimitReached(CcServerError):
+    """Too many live things (dispatch runs, …) at once: close one, then retry."""
+
+
+class ConfigError(CcServerError):
+    """The operator's configuration (the server's flags, environment or files) is wrong: the
+    operator fixes it and restarts; the same request from the caller fails until then."""
+
+
 class BackendUnavailable(CcServerError):
     """The host cannot provide the requested isolation: install or enable what the fix names."""
 

@@ -31,6 +31,7 @@ from dispatch_kit import (
 from server_kit import running_server
 
 from cc_server.backends.probe import ProbeResult
+from cc_server.dispatch import service as service_module
 from cc_server.dispatch.actions import Action
 from cc_server.dispatch.worktrees import mounted_under
 
@@ -101,6 +102,34 @@ async def test_bad_requests_are_refused_and_create_nothing(
     assert (await resp.json())["message"]
     assert d.worktrees.worktrees == {} and d.service.runs == {}
     assert os.listdir(d.worktrees.base) == []
+
+
+async def test_too_many_live_runs_answer_429_and_launch_nothing(
+    api: tuple[TestClient[Any, Any], Dispatch], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client, d = api
+    wt = await _worktree(client)
+    monkeypatch.setattr(service_module, "MAX_RUNS", 0)  # the limit, reached before any run
+    resp = await client.post("/v1/dispatches", json={"worktreeId": wt["worktreeId"]})
+    assert resp.status == 429, await resp.text()
+    body = await resp.json()
+    assert body["error"] == "LimitReached" and "DELETE /v1/dispatches" in body["fix"]
+    assert d.service.runs == {} and d.manager.handles == {}
+
+
+async def test_an_agent_the_operator_did_not_configure_answers_409(
+    api: tuple[TestClient[Any, Any], Dispatch]
+) -> None:
+    """The caller cannot fix it (not a 400) and nothing broke (not a 500): the operator's."""
+    client, d = api
+    wt = await _worktree(client)
+    d.service.config = dataclasses.replace(d.service.config, claude_path=None)
+    resp = await client.post("/v1/dispatches",
+                             json={"worktreeId": wt["worktreeId"], "agent": "claude"})
+    assert resp.status == 409, await resp.text()
+    body = await resp.json()
+    assert body["error"] == "ConfigError" and "CC_SERVER_CLAUDE_PATH" in body["fix"]
+    assert d.service.runs == {} and d.manager.handles == {}
 
 
 async def test_a_dispatch_whose_guardrail_raises_is_refused(

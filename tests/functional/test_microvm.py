@@ -29,7 +29,7 @@ from microvm_kit import (
 )
 from server_kit import host_pids_with, kill_marked, running_server, wait_until_gone
 
-from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
+from cc_server.errors import BackendUnavailable, Closed, EnforcementFailed
 from cc_server.microvm.handle import STATE_FILE
 from cc_server.microvm.image import default_cache_dir
 from cc_server.microvm.pool import VmPool
@@ -392,7 +392,7 @@ async def test_mounts_that_cannot_be_put_back_end_the_vm(
                 await handle.suspend()
         assert handle.state is SandboxState.ERROR
         assert not alive(qemu_pid)
-        with pytest.raises(BadSpec):
+        with pytest.raises(Closed, match="launch a new one"):
             handle.exec(["true"])
     finally:
         await m.aclose()

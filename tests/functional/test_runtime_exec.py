@@ -16,7 +16,7 @@ import pytest
 
 from cc_server.backends.egress_bridge import bridge_env
 from cc_server.backends.probe import ProbeResult
-from cc_server.errors import BackendUnavailable, BadSpec
+from cc_server.errors import BackendUnavailable, BadSpec, Closed
 from cc_server.policy import HostFacts, SandboxBackend, parse_spec
 from cc_server.runtime.events import EventType, SandboxEvent, SandboxState
 from cc_server.runtime.handle import READ_CHUNK_BYTES, SandboxHandle, run_collect
@@ -242,9 +242,9 @@ async def test_state_transitions_over_a_handles_life(manager: SandboxManager) ->
 
     await handle.destroy()
     assert handle.state is SandboxState.DESTROYED
-    with pytest.raises(BadSpec, match="destroyed"):
+    with pytest.raises(Closed, match="destroyed"):
         handle.exec(["/bin/true"])
-    with pytest.raises(BadSpec):
+    with pytest.raises(Closed):
         await run_collect(handle, ["/bin/true"])
     await handle.destroy()  # idempotent
     assert handle.state is SandboxState.DESTROYED

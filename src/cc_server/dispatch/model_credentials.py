@@ -57,7 +57,7 @@ from cc_server.egress.addresses import IPAddress
 from cc_server.egress.driver import TunnelHandler
 from cc_server.egress.operator import OperatorEgress
 from cc_server.egress.patterns import InvalidHostName, parse_host
-from cc_server.errors import BadSpec
+from cc_server.errors import ConfigError
 
 __all__ = [
     "CA_FILE_NAME",
@@ -106,32 +106,36 @@ class ModelCredentials:
         operator's model endpoint.
 
         Raises:
-            BadSpec: the key file is not absolute, unreadable, empty or too large; the upstream
+            ConfigError: the key file is not absolute, unreadable, empty or too large; the upstream
                 CA file is not absolute or missing; the model endpoint is not https.
         """
         key_file = environ.get(KEY_FILE_ENV) or None
         if key_file is None:
             return None
         if not os.path.isabs(key_file):
-            raise BadSpec(f"{KEY_FILE_ENV} must be absolute, got {key_file!r}")
+            raise ConfigError(f"{KEY_FILE_ENV} must be absolute, got {key_file!r}")
         try:
             with open(key_file, "rb") as f:
                 data = f.read(MAX_KEY_BYTES + 1)
         except OSError as exc:
-            raise BadSpec(f"{KEY_FILE_ENV} {key_file!r} cannot be read: {exc.strerror}") from None
+            raise ConfigError(
+                f"{KEY_FILE_ENV} {key_file!r} cannot be read: {exc.strerror}"
+            ) from None
         key = data.decode("utf-8", errors="replace").strip()
         if not key or len(data) > MAX_KEY_BYTES or any(c.isspace() for c in key):
-            raise BadSpec(f"{KEY_FILE_ENV} {key_file!r} does not hold one key",
-                          fix="put the key alone in the file")
+            raise ConfigError(f"{KEY_FILE_ENV} {key_file!r} does not hold one key",
+                              fix="put the key alone in the file")
         ca = environ.get(UPSTREAM_CA_ENV) or None
         if ca is not None and (not os.path.isabs(ca) or not os.path.isfile(ca)):
-            raise BadSpec(f"{UPSTREAM_CA_ENV} must be an absolute path to a PEM file, got {ca!r}")
+            raise ConfigError(
+                f"{UPSTREAM_CA_ENV} must be an absolute path to a PEM file, got {ca!r}"
+            )
         if egress.model_url is None:
             host: IPAddress | str = DEFAULT_MODEL_HOST[0]
             port = DEFAULT_MODEL_HOST[1]
         else:
             if not egress.model_url.lower().startswith("https://"):
-                raise BadSpec(
+                raise ConfigError(
                     f"{KEY_FILE_ENV} needs an https model endpoint, and ANTHROPIC_BASE_URL is "
                     f"{egress.model_url!r}: the key is swapped in inside TLS only",
                     fix="give the endpoint as https://, or unset the key file",

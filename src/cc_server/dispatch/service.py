@@ -58,7 +58,7 @@ from cc_server.dispatch.tools import FileTools
 from cc_server.dispatch.violations import NoticeFile, ViolationLog
 from cc_server.dispatch.worktrees import Worktree, WorktreeManager, WorktreeStrategy
 from cc_server.egress.operator import MODEL_URL_ENV, OperatorEgress
-from cc_server.errors import BadSpec
+from cc_server.errors import BadSpec, ConfigError, LimitReached
 from cc_server.policy import (
     STANDARD_DENY_CREATE_GLOBS,
     AgentCapabilities,
@@ -381,7 +381,9 @@ class DispatchService:
         itself is started by the caller (`dispatch.claude`, `dispatch.acp`).
 
         Raises:
-            BadSpec: unknown worktree, an agent that is not configured, too many runs.
+            BadSpec: unknown worktree.
+            ConfigError: the agent is not configured on this server.
+            LimitReached: MAX_RUNS runs are live.
             BackendUnavailable: the native backend cannot enforce the dispatch policy here (no
                 create-time rules on Linux).
             ActionRefused: a guardrail refused the agent's launch.
@@ -390,11 +392,12 @@ class DispatchService:
             CcServerError: anything else that kept the sandbox from starting.
         """
         if len(self.runs) >= MAX_RUNS:
-            raise BadSpec(f"{MAX_RUNS} runs are live", fix="close one (DELETE /v1/dispatches/ID)")
+            raise LimitReached(f"{MAX_RUNS} runs are live",
+                               fix="close one (DELETE /v1/dispatches/ID)")
         worktree = self.worktrees.get(worktree_id)
         argv = self.config.agent_argv(agent)
         if agent is not AgentKind.HARNESS and argv is None:
-            raise BadSpec(
+            raise ConfigError(
                 f"no {agent} agent is configured on this server",
                 fix="set CC_SERVER_CLAUDE_PATH or CC_SERVER_ACP_AGENT and restart",
             )

@@ -21,7 +21,13 @@ from pathlib import Path
 from typing import Final
 
 from cc_server.backends.plan import Command, LaunchPlan
-from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
+from cc_server.errors import (
+    BackendUnavailable,
+    BadSpec,
+    CcServerError,
+    Closed,
+    EnforcementFailed,
+)
 from cc_server.microvm.link import (
     VM_DIR_PREFIX,
     AgentGone,
@@ -120,7 +126,7 @@ class MicroVMHandle(SandboxHandle):
 
         Raises:
             CcServerError: the VM could not be started (the handle is in `error`).
-            BadSpec: the handle is destroyed.
+            Closed: the handle is destroyed.
         """
         if self._start_task is not None:
             with contextlib.suppress(Exception):
@@ -129,7 +135,7 @@ class MicroVMHandle(SandboxHandle):
             assert self.error is not None
             raise self.error
         if self.state is SandboxState.DESTROYED:
-            raise BadSpec(f"sandbox {self.session_id!r} is destroyed; launch a new one")
+            raise Closed(f"sandbox {self.session_id!r} is destroyed; launch a new one")
 
     async def _start(self) -> None:
         assert self.pool is not None and self.mount_plan is not None
@@ -365,10 +371,11 @@ class MicroVMHandle(SandboxHandle):
         it on a guest PTY (stdout carries the terminal's output, stdin its input).
 
         Raises:
-            BadSpec: the handle is destroyed or in error, or the options conflict.
+            Closed: the handle is destroyed or in error.
+            BadSpec: the options conflict.
         """
         if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):
-            raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
+            raise Closed(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
         if inherit_stdio is not False:
             raise BadSpec("a microVM command cannot inherit the server's stdio")
         full_env = {**GUEST_ENV, **(env or {})}
@@ -403,7 +410,7 @@ class VmExecution(Execution):
         await handle.resume()
         link = handle._link
         if link is None or handle.state not in (SandboxState.WARM, SandboxState.ACTIVE):
-            raise BadSpec(f"sandbox {handle.session_id!r} is {handle.state}; launch a new one")
+            raise Closed(f"sandbox {handle.session_id!r} is {handle.state}; launch a new one")
         await self._queue.put(self._event(EventType.STARTING))
         flags = ExecFlags.NONE
         if self._pty is not None:

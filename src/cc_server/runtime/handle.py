@@ -32,7 +32,7 @@ from cc_server.backends.supervisor import (
     stop_supervisor,
     watch_reports,
 )
-from cc_server.errors import BadSpec
+from cc_server.errors import BadSpec, Closed
 from cc_server.policy import CompiledPolicy, SandboxBackend
 from cc_server.runtime.egress_port import Adopted, EgressPort
 from cc_server.runtime.events import (
@@ -127,10 +127,11 @@ class SandboxHandle:
         them), and then only `starting`, `ready`, `violation`, `killed` and `exit` are emitted.
 
         Raises:
-            BadSpec: the handle is destroyed or in error, or the options conflict.
+            Closed: the handle is destroyed or in error.
+            BadSpec: the options conflict.
         """
         if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):
-            raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
+            raise Closed(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
         if inherit_stdio is not False and (stdin is not None or interactive_stdin):
             raise BadSpec("inherit_stdio cannot be combined with stdin data")
         command = Command(
@@ -170,7 +171,7 @@ class SandboxHandle:
                 self.sandbox_peers.add(sandbox.pid)
             if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):  # destroyed meanwhile
                 await sandbox.aclose()
-                raise BadSpec(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
+                raise Closed(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
             self._sandbox = sandbox
             self.details["sandboxPid"] = sandbox.pid
             return sandbox

@@ -28,7 +28,7 @@ from cc_server.backends.none import plan_none
 from cc_server.backends.plan import Planner, SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
-from cc_server.errors import BackendUnavailable, BadSpec
+from cc_server.errors import BackendUnavailable, ConfigError
 from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, SandboxBackend
 
 __all__ = [
@@ -108,7 +108,11 @@ def protected_patterns_for(
     (`BackendUnavailable`, the fix names the build) rather than started with less. Only
     `CC_SERVER_WRITE_PROTECTION=launch-time`, said on purpose, keeps the launch-time read-only
     binds alone (docs/threat-model.md says what they leave open). Other mechanisms have their
-    launch-time rules only."""
+    launch-time rules only.
+
+    Raises:
+        ConfigError: `CC_SERVER_WRITE_PROTECTION` holds something else.
+    """
     env = os.environ if env is None else env
     if probe_result.mechanism != "bubblewrap":
         return ()
@@ -116,7 +120,7 @@ def protected_patterns_for(
     if choice == LAUNCH_TIME_ONLY:
         return ()
     if choice not in ("", "write-time"):
-        raise BadSpec(
+        raise ConfigError(
             f"{WRITE_PROTECTION_ENV}={choice!r} is not a choice",
             fix=f"unset it (protection when a write happens), or set it to {LAUNCH_TIME_ONLY!r}",
         )

@@ -17,12 +17,12 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Final, NoReturn
+from typing import Any, Final
 
 import msgspec
 from aiohttp import WSMsgType, web
 
-from cc_server.errors import BadSpec, CcServerError
+from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
 from cc_server.policy.spec import check_absolute
@@ -47,9 +47,9 @@ from cc_server.server.models import (
     ExecStreamInput,
 )
 from cc_server.server.state import STATE, ServerState
-from cc_server.server.status import error_body, status_for
+from cc_server.server.status import Refused, refusal
 
-__all__ = ["answer_refusals", "routes"]
+__all__ = ["routes"]
 
 FIRST_MESSAGE_TIMEOUT_S: Final = 30.0  # the exec WebSocket's ExecRequest must arrive by then
 WS_HEARTBEAT_S: Final = 30.0  # ping interval; a client that stops answering is disconnected
@@ -62,50 +62,27 @@ routes = web.RouteTableDef()
 # --- errors --------------------------------------------------------------------------------------
 
 
-class _Refused(Exception):
-    """A request refused with an ErrorBody; raised inside handlers, answered by `_answer`."""
-
-    def __init__(self, status: int, error: str, message: str, fix: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.body = error_body(error, message, fix)
-
-
-def _refuse_error(exc: CcServerError) -> NoReturn:
-    raise _Refused(status_for(exc), type(exc).__name__, exc.message, exc.fix) from exc
-
-
 def _decode(data: bytes, kind: type[Any]) -> Any:
     try:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _Refused(400, "BadRequest", f"invalid {kind.__name__.removesuffix('Wire')}: {exc}",
-                       "see /openapi.json for the body's schema") from None
+        raise Refused(400, "BadRequest", f"invalid {kind.__name__.removesuffix('Wire')}: {exc}",
+                      "see /openapi.json for the body's schema") from None
 
 
 def _state(request: web.Request) -> ServerState:
     state = request.app[STATE]
     if state.shutting_down:
-        raise _Refused(503, "ShuttingDown", "the server is shutting down")
+        raise Refused(503, "ShuttingDown", "the server is shutting down")
     return state
 
 
 def _handle(state: ServerState, session_id: str) -> SandboxHandle:
     handle = state.manager.handles.get(session_id)
     if handle is None:
-        raise _Refused(404, "NotFound", f"no live sandbox with sessionId {session_id!r}",
-                       "create it with POST /v1/sandboxes")
+        raise Refused(404, "NotFound", f"no live sandbox with sessionId {session_id!r}",
+                      "create it with POST /v1/sandboxes")
     return handle
-
-
-@web.middleware
-async def answer_refusals(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Turn `_Refused` into its ErrorBody response."""
-    try:
-        response: web.StreamResponse = await handler(request)
-    except _Refused as refused:
-        return web.json_response(refused.body, status=refused.status)
-    return response
 
 
 # --- sandboxes -----------------------------------------------------------------------------------
@@ -117,8 +94,8 @@ def _backend(name: str | None) -> SandboxBackend | None:
     if name is None:
         return None
     if name not in BACKEND_NAMES:
-        raise _Refused(400, "BadSpec", f"unknown backend {name!r}",
-                       f"use one of {', '.join(BACKEND_NAMES)}, or leave it out")
+        raise refusal(BadSpec(f"unknown backend {name!r}",
+                              fix=f"use one of {', '.join(BACKEND_NAMES)}, or leave it out"))
     return SandboxBackend(name)
 
 
@@ -129,13 +106,12 @@ def _check_token_not_exposed(state: ServerState, spec: SandboxSpec) -> None:
     for i, mount in enumerate(spec.bind_mounts):
         root = state.manager.host.realpath(mount.host_path)
         if token == root or token.startswith(root.rstrip("/") + "/"):
-            raise _Refused(
-                400, "BadSpec",
+            raise refusal(BadSpec(
                 f"bindMounts[{i}].hostPath {mount.host_path!r} would expose the server's bearer "
                 "token file",
-                "bind a directory that does not contain the token file, or start the server "
+                fix="bind a directory that does not contain the token file, or start the server "
                 "with --token-file elsewhere",
-            )
+            ))
 
 
 @routes.post("/v1/sandboxes")
@@ -147,22 +123,22 @@ async def create_sandbox(request: web.Request) -> web.StreamResponse:
     try:
         spec = parse_spec(bytes(wire.spec))
     except BadSpec as exc:
-        _refuse_error(exc)
+        raise refusal(exc) from exc
     if spec.session_id in state.manager.handles:
-        raise _Refused(409, "Conflict", f"a sandbox with sessionId {spec.session_id!r} is live",
-                       "destroy it first (DELETE /v1/sandboxes/{id}) or use another sessionId")
+        raise Refused(409, "Conflict", f"a sandbox with sessionId {spec.session_id!r} is live",
+                      "destroy it first (DELETE /v1/sandboxes/{id}) or use another sessionId")
     _check_token_not_exposed(state, spec)
     try:
         handle = state.manager.launch(spec, backend=requested)
     except CcServerError as exc:
         log_event("sandbox.refused", exc.message, level=logging.WARNING,
                   sessionId=spec.session_id, error=type(exc).__name__)
-        _refuse_error(exc)
+        raise refusal(exc) from exc
     if wire.egress == "ask":
         if handle.egress is None:
             await state.manager.destroy(spec.session_id)
-            raise _Refused(409, "Conflict", f"egress ask needs the session's proxies; backend "
-                           f"{handle.backend} has none", "use the native or microvm backend")
+            raise Refused(409, "Conflict", f"egress ask needs the session's proxies; backend "
+                          f"{handle.backend} has none", "use the native or microvm backend")
         handle.egress.ask(wire.egress_ask_timeout_s)
     log_event("sandbox.created", f"sandbox {spec.session_id} created",
               sessionId=spec.session_id, backend=str(handle.backend))
@@ -217,7 +193,7 @@ async def get_egress(request: web.Request) -> web.StreamResponse:
     try:
         return web.json_response(egress_view(handle))
     except CcServerError as exc:
-        _refuse_error(exc)
+        raise refusal(exc) from exc
 
 
 @routes.patch("/v1/sandboxes/{id}/egress")
@@ -228,7 +204,7 @@ async def patch_egress(request: web.Request) -> web.StreamResponse:
     try:
         return web.json_response(change_egress(handle, req, by="api"))
     except CcServerError as exc:
-        _refuse_error(exc)
+        raise refusal(exc) from exc
 
 
 @routes.post("/v1/sandboxes/{id}/egress/requests/{request}")
@@ -240,9 +216,9 @@ async def answer_egress_request(request: web.Request) -> web.StreamResponse:
         return web.json_response(answer_request(handle, request.match_info["request"],
                                                 req.answer))
     except BadSpec as exc:  # no such request waits: the id names nothing (any more)
-        raise _Refused(404, "NotFound", exc.message, exc.fix) from None
+        raise Refused(404, "NotFound", exc.message, exc.fix) from None
     except CcServerError as exc:
-        _refuse_error(exc)
+        raise refusal(exc) from exc
 
 
 # Frames a slow egress-stream client has not taken yet; past it new ones are dropped (the
@@ -263,8 +239,8 @@ async def egress_stream(request: web.Request) -> web.StreamResponse:
         try:
             egress, snapshot = egress_of(handle), egress_view(handle)
         except CcServerError as exc:
-            _refuse_error(exc)
-    except _Refused as refused:
+            raise refusal(exc) from exc
+    except Refused as refused:
         await _ws_refuse(ws, refused.status, refused.body)
         return ws
     frames: asyncio.Queue[dict[str, object]] = asyncio.Queue(EGRESS_STREAM_QUEUE)
@@ -329,9 +305,9 @@ async def egress_stream(request: web.Request) -> web.StreamResponse:
 def _vm(request: web.Request) -> MicroVMHandle:
     handle = _handle(_state(request), request.match_info["id"])
     if not isinstance(handle, MicroVMHandle):
-        raise _Refused(409, "BackendUnavailable",
-                       f"sandbox {handle.session_id!r} runs on {handle.backend}, which cannot "
-                       "suspend", "only microvm sandboxes are checkpointed to disk")
+        raise refusal(BackendUnavailable(
+            f"sandbox {handle.session_id!r} runs on {handle.backend}, which cannot suspend",
+            fix="only microvm sandboxes are checkpointed to disk"))
     return handle
 
 
@@ -343,7 +319,7 @@ async def suspend_sandbox(request: web.Request) -> web.StreamResponse:
     try:
         await handle.suspend()
     except CcServerError as exc:
-        _refuse_error(exc)
+        raise refusal(exc) from exc
     log_event("sandbox.suspended", f"sandbox {handle.session_id} suspended",
               sessionId=handle.session_id)
     return web.json_response(handle.to_json())
@@ -356,7 +332,7 @@ async def resume_sandbox(request: web.Request) -> web.StreamResponse:
     try:
         await handle.resume()
     except CcServerError as exc:
-        _refuse_error(exc)
+        raise refusal(exc) from exc
     return web.json_response(handle.to_json())
 
 
@@ -365,28 +341,28 @@ async def resume_sandbox(request: web.Request) -> web.StreamResponse:
 
 def _stdin_bytes(text: str | None, b64: str | None) -> bytes | None:
     if text is not None and b64 is not None:
-        raise _Refused(400, "BadRequest", "give stdin or stdinBase64, not both")
+        raise Refused(400, "BadRequest", "give stdin or stdinBase64, not both")
     if b64 is not None:
         try:
             return base64.b64decode(b64, validate=True)
         except binascii.Error as exc:
-            raise _Refused(400, "BadRequest", f"stdinBase64 is not base64: {exc}") from None
+            raise Refused(400, "BadRequest", f"stdinBase64 is not base64: {exc}") from None
     return None if text is None else text.encode()
 
 
 def _check_exec(req: ExecRequest) -> None:
     for i, word in enumerate(req.argv):
         if "\x00" in word:
-            raise _Refused(400, "BadRequest", f"argv[{i}] contains a NUL byte")
+            raise Refused(400, "BadRequest", f"argv[{i}] contains a NUL byte")
     for name, value in (req.env or {}).items():
         if not name or "=" in name or "\x00" in name or "\x00" in value:
-            raise _Refused(400, "BadRequest", f"env name {name!r} or its value is not valid",
-                           "names are non-empty without '=' or NUL; values have no NUL")
+            raise Refused(400, "BadRequest", f"env name {name!r} or its value is not valid",
+                          "names are non-empty without '=' or NUL; values have no NUL")
     if req.cwd is not None:
         try:
             check_absolute(req.cwd)
         except ValueError as exc:
-            raise _Refused(400, "BadRequest", f"cwd: {exc}") from None
+            raise Refused(400, "BadRequest", f"cwd: {exc}") from None
 
 
 def _prepare(state: ServerState, session_id: str, req: ExecRequest, *,
@@ -401,21 +377,21 @@ def _prepare(state: ServerState, session_id: str, req: ExecRequest, *,
             interactive_stdin=interactive, timeout_s=req.timeout_s,
         )
     except CcServerError as exc:
-        _refuse_error(exc)
+        raise refusal(exc) from exc
     return handle, execution
 
 
 @contextlib.asynccontextmanager
 async def _running(state: ServerState, handle: SandboxHandle,
                    execution: Execution) -> AsyncIterator[Execution]:
-    """Start the command, tracked for kill and shutdown; refusals become _Refused."""
+    """Start the command, tracked for kill and shutdown; refusals become Refused."""
     started = time.monotonic()
     try:
         await execution.__aenter__()
     except CcServerError as exc:
         log_event("exec.refused", exc.message, level=logging.WARNING,
                   sessionId=handle.session_id, error=type(exc).__name__)
-        _refuse_error(exc)
+        raise refusal(exc) from exc
     state.track(handle.session_id, execution)
     try:
         yield execution
@@ -495,7 +471,7 @@ async def _client_messages(ws: web.WebSocketResponse, execution: Execution) -> N
             try:
                 cmd = msgspec.json.decode(msg.data, type=ExecStreamInput)
                 data = _stdin_bytes(cmd.stdin, cmd.stdin_base64)
-            except (msgspec.ValidationError, msgspec.DecodeError, _Refused) as exc:
+            except (msgspec.ValidationError, msgspec.DecodeError, Refused) as exc:
                 with contextlib.suppress(ConnectionError):
                     await ws.send_str(json.dumps({"type": "error", "error": "BadRequest",
                                                   "message": str(exc), "fix": None}))
@@ -524,8 +500,8 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
             async with asyncio.timeout(FIRST_MESSAGE_TIMEOUT_S):
                 first = await ws.receive()
         except TimeoutError:
-            raise _Refused(408, "Timeout", "no ExecRequest within "
-                           f"{FIRST_MESSAGE_TIMEOUT_S:g} s") from None
+            raise Refused(408, "Timeout", "no ExecRequest within "
+                          f"{FIRST_MESSAGE_TIMEOUT_S:g} s") from None
         if first.type is not WSMsgType.TEXT:
             return ws  # the client went away (or sent something that is not a request)
         req: ExecRequest = _decode(first.data.encode(), ExecRequest)
@@ -542,7 +518,7 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
                         with contextlib.suppress(ConnectionError):
                             await ws.send_str(json.dumps(frame))
                 client.cancel()
-    except _Refused as refused:
+    except Refused as refused:
         await _ws_refuse(ws, refused.status, refused.body)
         return ws
     await ws.close()

@@ -23,7 +23,7 @@ from aiohttp.abc import AbstractAccessLogger
 
 from cc_server import __version__
 from cc_server.backends.probe import boot_probe, startup_line
-from cc_server.errors import CcServerError
+from cc_server.errors import CcServerError, ConfigError
 from cc_server.policy import HostFacts, SandboxBackend
 from cc_server.rundir import forget_server_token, record_server_token
 from cc_server.runtime.egress import (
@@ -32,7 +32,6 @@ from cc_server.runtime.egress import (
     remove_stale_session_dirs,
 )
 from cc_server.runtime.port import SandboxManager
-from cc_server.server.api import answer_refusals
 from cc_server.server.api import routes as api_routes
 from cc_server.server.auth import (
     bearer_auth,
@@ -46,6 +45,7 @@ from cc_server.server.dispatch_api import install_dispatch
 from cc_server.server.logs import configure_logging, log_event
 from cc_server.server.openapi import openapi_document
 from cc_server.server.state import STATE, ServerState
+from cc_server.server.status import answer_errors
 from cc_server.server.terminal_ws import routes as terminal_routes
 from cc_server.terminal import TerminalSessionService
 
@@ -82,7 +82,7 @@ async def _openapi(_request: web.Request) -> web.StreamResponse:
 
 def build_app(state: ServerState, token: str) -> web.Application:
     """The aiohttp application: auth first, then the routes."""
-    app = web.Application(middlewares=[bearer_auth(token), answer_refusals])
+    app = web.Application(middlewares=[bearer_auth(token), answer_errors])
     app[STATE] = state
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
@@ -213,7 +213,7 @@ def run_server(config: ServerConfig) -> int:
     configure_logging(as_json=config.log_json)
     try:
         return asyncio.run(serve(config))
-    except ServerConfigError as exc:
+    except ConfigError as exc:  # ServerConfigError, or the dispatch configuration's
         log_event("error", str(exc), level=logging.ERROR)
         return EXIT_CONFIG
     except CcServerError as exc:

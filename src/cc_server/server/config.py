@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from cc_server.egress.operator import OperatorEgress
-from cc_server.errors import BadSpec, CcServerError
+from cc_server.errors import BadSpec, ConfigError
 from cc_server.runtime.output import DEFAULT_COLLECT_LIMIT_BYTES
 
 __all__ = [
@@ -46,7 +46,7 @@ EXEC_OUTPUT_LIMIT_ENV: Final = "CC_SERVER_EXEC_OUTPUT_LIMIT"
 MAX_EXEC_OUTPUT_LIMIT_BYTES: Final = 1024 * 1024 * 1024
 
 
-class ServerConfigError(CcServerError):
+class ServerConfigError(ConfigError):
     """The server's own options or environment are wrong; it did not start."""
 
 

@@ -16,7 +16,9 @@ Routes (JSON, camelCase, bearer token like the rest):
 - `POST /v1/dispatches/{id}/acp/prompt` {text} one prompt to the ACP agent.
 
 A refused action answers 403 with the guardrail's message; a dispatch the host cannot enforce
-(Linux native without create-time rules) answers 409 BackendUnavailable with the reason.
+(Linux native without create-time rules) answers 409 BackendUnavailable with the reason; a run
+past `dispatch.service.MAX_RUNS` live ones answers 429 LimitReached. Every status comes from the
+server's one table (`server/status.py`).
 
 The operator configures dispatch through the server's environment (paths only, never secrets):
 `CC_SERVER_CLAUDE_PATH`, `CC_SERVER_ACP_AGENT` (a command line), `CC_SERVER_AGENT_DIRS`
@@ -32,8 +34,8 @@ read once at boot; the agents get a sentinel that the session's proxy swaps for 
 host only) and `CC_SERVER_MODEL_CA_FILE` (a CA to trust for that host's certificate).
 
 A problem of the server's own configuration that only shows at dispatch (its environment would
-put a secret-like variable's value into the run's) answers 409 with the variable and the fix,
-never 500: the operator fixes it, not the caller.
+put a secret-like variable's value into the run's, or the agent asked for is not configured)
+answers 409 with the fix (and the variables), never 500: the operator fixes it, not the caller.
 """
 
 from __future__ import annotations
@@ -41,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import os
 import shlex
 from collections.abc import Iterator, Mapping, Sequence
@@ -54,25 +55,22 @@ from cc_server.dispatch.acp import start_acp
 from cc_server.dispatch.actions import ActionRefused
 from cc_server.dispatch.claude import run_claude
 from cc_server.dispatch.credentials import CredentialBroker, remove_stale_grant_dirs
-from cc_server.dispatch.env import EnvRefused
 from cc_server.dispatch.model_credentials import ModelCredentials
 from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
 from cc_server.dispatch.tools import FileTools
-from cc_server.dispatch.violations import RunViolation
 from cc_server.dispatch.worktrees import WorktreeManager
 from cc_server.egress.operator import OperatorEgress
-from cc_server.errors import BadSpec, CcServerError
+from cc_server.errors import BadSpec, ConfigError
 from cc_server.policy import AgentCapabilities, Mode
 from cc_server.runtime.egress import egress_base_dir
 from cc_server.runtime.port import SandboxManager
 from cc_server.server.egress_api import answer_request, change_egress, egress_view
 from cc_server.server.logs import log_event
 from cc_server.server.models import EgressAnswerRequest, EgressChangeRequest
-from cc_server.server.status import error_response, status_for
+from cc_server.server.status import Refused, refusal
 
 __all__ = [
     "DISPATCH",
-    "REFUSED_STATUS",
     "REQUEST_MODELS",
     "config_from_env",
     "install_dispatch",
@@ -80,9 +78,6 @@ __all__ = [
     "routes",
 ]
 
-REFUSED_STATUS: Final = 403  # a guardrail refused the action: the same request stays refused
-# The server's configuration keeps this request from being served until the operator fixes it.
-OPERATOR_CONFIG_STATUS: Final = 409
 MAX_BODY_BYTES: Final = 32 * 1024 * 1024  # a file write through the tools API
 
 routes = web.RouteTableDef()
@@ -169,22 +164,23 @@ def config_from_env(
     environment and the `--dispatch-allow-domain` patterns.
 
     Raises:
-        BadSpec: a configured path is not absolute, the agent command does not parse, or a
-            dispatch egress setting is malformed (InvalidPattern for an allowlist entry).
+        ConfigError: a configured path is not absolute, the agent command does not parse, or
+            the model key file is unusable.
+        BadSpec: a dispatch egress setting is malformed (InvalidPattern for an allowlist entry).
     """
     claude = environ.get("CC_SERVER_CLAUDE_PATH") or None
     if claude is not None and not os.path.isabs(claude):
-        raise BadSpec(f"CC_SERVER_CLAUDE_PATH must be absolute, got {claude!r}")
+        raise ConfigError(f"CC_SERVER_CLAUDE_PATH must be absolute, got {claude!r}")
     acp_line = environ.get("CC_SERVER_ACP_AGENT") or None
     try:
         acp_argv = tuple(shlex.split(acp_line)) if acp_line else None
     except ValueError as exc:
-        raise BadSpec(f"CC_SERVER_ACP_AGENT does not parse: {exc}") from None
+        raise ConfigError(f"CC_SERVER_ACP_AGENT does not parse: {exc}") from None
     state_home = environ.get("XDG_STATE_HOME") or os.path.join(
         environ.get("HOME") or os.path.expanduser("~"), ".local", "state")
     base = environ.get("CC_SERVER_DISPATCH_DIR") or os.path.join(state_home, "cc-server")
     if not os.path.isabs(base):
-        raise BadSpec(f"CC_SERVER_DISPATCH_DIR must be absolute, got {base!r}")
+        raise ConfigError(f"CC_SERVER_DISPATCH_DIR must be absolute, got {base!r}")
     explicit = [d for d in (environ.get("CC_SERVER_AGENT_DIRS") or "").split(":") if d]
     agent_dirs = explicit or [
         *(_default_agent_dirs((claude,)) if claude else []),
@@ -209,7 +205,7 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
     app.
 
     Raises:
-        BadSpec: the dispatch configuration is wrong.
+        ConfigError: the dispatch configuration is wrong (BadSpec: its egress patterns).
         EnforcementFailed: the dispatch directory is not private.
         BackendUnavailable: no way to make worktrees here.
     """
@@ -253,68 +249,29 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
 # --- helpers -------------------------------------------------------------------------------------
 
 
-class _Answer(Exception):
-    def __init__(self, response: web.Response) -> None:
-        self.response = response
-
-
-def _fail(exc: CcServerError, violation: RunViolation | None = None) -> _Answer:
-    if isinstance(exc, ActionRefused):
-        body: dict[str, Any] = {"error": "ActionRefused", "message": exc.message,
-                                "fix": exc.fix, "guardrail": exc.guardrail}
-        if violation is not None:
-            body["violations"] = [violation.to_json()]
-            body["notice"] = violation.notice
-        return _Answer(web.json_response(body, status=REFUSED_STATUS))
-    if isinstance(exc, EnvRefused):
-        status = OPERATOR_CONFIG_STATUS if exc.operator else status_for(exc)
-        body = {"error": "EnvRefused", "message": exc.message, "fix": exc.fix,
-                "variable": exc.variable, "hostVariable": exc.host_variable}
-        return _Answer(web.json_response(body, status=status))
-    return _Answer(error_response(status_for(exc), type(exc).__name__, exc.message, exc.fix))
-
-
-def _not_found(what: str, key: str) -> _Answer:
-    return _Answer(error_response(404, "NotFound", f"no {what} {key!r}"))
+def _not_found(what: str, key: str) -> Refused:
+    return Refused(404, "NotFound", f"no {what} {key!r}")
 
 
 async def _body(request: web.Request, kind: type[Any]) -> Any:
     data = await request.content.read(MAX_BODY_BYTES + 1)
     if len(data) > MAX_BODY_BYTES:
-        raise _Answer(error_response(413, "TooLarge", f"the body is over {MAX_BODY_BYTES} bytes"))
+        raise Refused(413, "TooLarge", f"the body is over {MAX_BODY_BYTES} bytes")
     try:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise _Answer(error_response(400, "BadRequest", f"invalid {kind.__name__}: {exc}",
-                                     "see /openapi.json for the body's schema")) from None
+        raise Refused(400, "BadRequest", f"invalid {kind.__name__}: {exc}",
+                      "see /openapi.json for the body's schema") from None
 
 
 def _service(request: web.Request) -> DispatchService:
     return request.app[DISPATCH]
 
 
-def _handler(func: Any) -> Any:
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            result: web.StreamResponse = await func(request)
-        except _Answer as answer:
-            return answer.response
-        except CcServerError as exc:
-            log_event("dispatch.refused", exc.message, level=logging.WARNING,
-                      path=request.path, error=type(exc).__name__)
-            return _fail(exc).response
-        return result
-
-    wrapped.__name__ = func.__name__
-    wrapped.__doc__ = func.__doc__
-    return wrapped
-
-
 # --- repositories and worktrees ------------------------------------------------------------------
 
 
 @routes.post("/v1/repos")
-@_handler
 async def register_repo(request: web.Request) -> web.StreamResponse:
     """Register a checkout."""
     body: RegisterRepo = await _body(request, RegisterRepo)
@@ -323,7 +280,6 @@ async def register_repo(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/v1/repos")
-@_handler
 async def list_repos(request: web.Request) -> web.StreamResponse:
     """Every registered checkout."""
     repos = _service(request).worktrees.repos.values()
@@ -331,7 +287,6 @@ async def list_repos(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/v1/worktrees")
-@_handler
 async def create_worktree(request: web.Request) -> web.StreamResponse:
     """Make a conversation's worktree."""
     body: CreateWorktree = await _body(request, CreateWorktree)
@@ -343,7 +298,6 @@ async def create_worktree(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/v1/worktrees")
-@_handler
 async def list_worktrees(request: web.Request) -> web.StreamResponse:
     """Every worktree."""
     return web.json_response({"worktrees": [w.to_json() for w in
@@ -351,7 +305,6 @@ async def list_worktrees(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/v1/worktrees/{id}")
-@_handler
 async def get_worktree(request: web.Request) -> web.StreamResponse:
     """One worktree."""
     key = request.match_info["id"]
@@ -362,15 +315,14 @@ async def get_worktree(request: web.Request) -> web.StreamResponse:
 
 
 @routes.delete("/v1/worktrees/{id}")
-@_handler
 async def remove_worktree(request: web.Request) -> web.StreamResponse:
     """Remove a worktree (idempotent); refused while a live run uses it."""
     service = _service(request)
     key = request.match_info["id"]
     users = [r.run_id for r in service.runs.values() if r.worktree.worktree_id == key]
     if users:
-        raise _Answer(error_response(409, "Conflict", f"worktree {key!r} is used by {users}",
-                                     "close those dispatch runs first"))
+        raise Refused(409, "Conflict", f"worktree {key!r} is used by {users}",
+                      "close those dispatch runs first")
     if service.worktrees.remove(key):
         log_event("worktree.removed", f"worktree {key} removed", worktreeId=key)
     return web.Response(status=204)
@@ -380,7 +332,6 @@ async def remove_worktree(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/v1/dispatches")
-@_handler
 async def open_dispatch(request: web.Request) -> web.StreamResponse:
     """Open a run (and, for `acp`, complete the agent's handshake)."""
     service = _service(request)
@@ -415,7 +366,8 @@ def _refusals_of(run: Any) -> Iterator[None]:
     try:
         yield
     except ActionRefused as exc:
-        raise _fail(exc, run.violations.refused(exc)) from None
+        violation = run.violations.refused(exc)
+        raise refusal(exc, violations=[violation.to_json()], notice=violation.notice) from None
 
 
 def _run(request: web.Request) -> Any:
@@ -427,7 +379,6 @@ def _run(request: web.Request) -> Any:
 
 
 @routes.get("/v1/dispatches")
-@_handler
 async def list_dispatches(request: web.Request) -> web.StreamResponse:
     """Every live run."""
     return web.json_response({"dispatches": [_run_json(r) for r in
@@ -435,14 +386,12 @@ async def list_dispatches(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/v1/dispatches/{id}")
-@_handler
 async def get_dispatch(request: web.Request) -> web.StreamResponse:
     """One run: backend, state, violations, ACP exchanges."""
     return web.json_response(_run_json(_run(request)))
 
 
 @routes.delete("/v1/dispatches/{id}")
-@_handler
 async def close_dispatch(request: web.Request) -> web.StreamResponse:
     """Tear a run down (idempotent)."""
     key = request.match_info["id"]
@@ -452,14 +401,12 @@ async def close_dispatch(request: web.Request) -> web.StreamResponse:
 
 
 @routes.get("/v1/dispatches/{id}/egress")
-@_handler
 async def get_dispatch_egress(request: web.Request) -> web.StreamResponse:
     """The run's egress allowlist now (server/egress_api.py)."""
     return web.json_response(egress_view(_run(request).handle))
 
 
 @routes.patch("/v1/dispatches/{id}/egress")
-@_handler
 async def patch_dispatch_egress(request: web.Request) -> web.StreamResponse:
     """Remove, then add, entries of the run's allowlist, for its next connection."""
     run = _run(request)
@@ -469,7 +416,6 @@ async def patch_dispatch_egress(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/v1/dispatches/{id}/egress/requests/{request}")
-@_handler
 async def answer_dispatch_egress_request(request: web.Request) -> web.StreamResponse:
     """Answer a connection of the run held for an answer (once, session or deny)."""
     run = _run(request)
@@ -477,12 +423,11 @@ async def answer_dispatch_egress_request(request: web.Request) -> web.StreamResp
     try:
         answered = answer_request(run.handle, request.match_info["request"], body.answer)
     except BadSpec as exc:  # no such request waits
-        raise _Answer(error_response(404, "NotFound", exc.message, exc.fix)) from None
+        raise Refused(404, "NotFound", exc.message, exc.fix) from None
     return web.json_response(answered)
 
 
 @routes.post("/v1/dispatches/{id}/claude")
-@_handler
 async def claude(request: web.Request) -> web.StreamResponse:
     """Run the Claude Code CLI in the run's sandbox."""
     run = _run(request)
@@ -496,7 +441,6 @@ async def claude(request: web.Request) -> web.StreamResponse:
 
 
 @routes.post("/v1/dispatches/{id}/bash")
-@_handler
 async def bash(request: web.Request) -> web.StreamResponse:
     """The harness bash tool."""
     run = _run(request)
@@ -514,7 +458,6 @@ def _need(value: Any, name: str, tool: str) -> Any:
 
 
 @routes.post("/v1/dispatches/{id}/tools/{tool}")
-@_handler
 async def file_tool(request: web.Request) -> web.StreamResponse:
     """One in-process file tool call."""
     run = _run(request)
@@ -549,7 +492,6 @@ def _call_tool(tools: FileTools, tool: str, b: ToolRequest) -> Any:
 
 
 @routes.post("/v1/dispatches/{id}/acp/prompt")
-@_handler
 async def acp_prompt(request: web.Request) -> web.StreamResponse:
     """One prompt to the run's ACP agent."""
     run = _run(request)
@@ -583,7 +525,9 @@ def openapi_paths(ref: Any) -> dict[str, Any]:
         reasons = {400: "bad input; nothing was created or run", 401: "no or wrong token",
                    403: "a guardrail refused the action (ActionRefused names it)",
                    404: "unknown repository, worktree, run or tool",
-                   409: "conflict, or the backend cannot enforce the dispatch policy here",
+                   409: "conflict, the backend cannot enforce the dispatch policy here, or the "
+                        "server's configuration keeps it from being served (ConfigError)",
+                   429: "too many runs are live (LimitReached): close one",
                    500: "the isolation or the agent failed; nothing is left running"}
         for code in codes[1:]:
             out[str(code)] = {"description": reasons[code]}
@@ -616,7 +560,7 @@ def openapi_paths(ref: Any) -> dict[str, Any]:
             "post": {"summary": "Open a dispatch run (sandbox, guardrails, agent handshake)",
                      "requestBody": body(OpenDispatch),
                      "responses": answer("the run, with its actual backend",
-                                         201, 400, 401, 403, 404, 409, 500)},
+                                         201, 400, 401, 403, 404, 409, 429, 500)},
             "get": {"summary": "List live runs", "responses": answer("the runs", 200, 401)},
         },
         "/v1/dispatches/{id}": {

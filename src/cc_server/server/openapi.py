@@ -67,7 +67,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         400: "malformed body, unknown field, relative path or unknown backend name",
         401: "missing or wrong bearer token",
         404: "no live sandbox with this id",
-        409: "the sandbox id is taken, or the requested backend cannot run on this host",
+        409: "the sandbox id is taken, the requested backend cannot run on this host, or the "
+             "sandbox was destroyed or failed (Closed)",
         500: "the isolation could not be applied (EnforcementFailed); nothing ran",
         503: "the server is shutting down",
     }

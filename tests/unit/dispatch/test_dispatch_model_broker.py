@@ -18,7 +18,7 @@ from cc_server.dispatch.model_credentials import (
     ModelCredentials,
 )
 from cc_server.egress.operator import OperatorEgress
-from cc_server.errors import BadSpec
+from cc_server.errors import ConfigError
 
 
 def _creds(tmp_path: pathlib.Path, url: str | None = None) -> ModelCredentials:
@@ -55,7 +55,7 @@ def test_bad_settings_are_refused(tmp_path: pathlib.Path, env: dict[str, str], u
     (tmp_path / "good").write_text("sk-x\n")
     env = {k: {"EMPTY": str(tmp_path / "empty"), "GOOD": str(tmp_path / "good")}.get(v, v)
            for k, v in env.items()}
-    with pytest.raises(BadSpec, match=problem):
+    with pytest.raises(ConfigError, match=problem):
         ModelCredentials.from_env(env, OperatorEgress.build(
             [], {"ANTHROPIC_BASE_URL": url} if url else {}))
 

@@ -15,7 +15,7 @@ from cc_server.backends.none import plan_none
 from cc_server.backends.plan import SandboxIdentity
 from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
 from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
-from cc_server.errors import BackendUnavailable, BadSpec
+from cc_server.errors import BackendUnavailable, ConfigError
 from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, SandboxBackend
 from cc_server.runtime.select import (
     WRITE_PROTECTION_ENV,
@@ -218,7 +218,7 @@ def test_launch_time_protection_only_when_said_on_purpose() -> None:
     assert protected_patterns_for(LINUX_OK, env={WRITE_PROTECTION_ENV: "write-time"}) == (
         PROTECTED_PATTERN_NAMES
     )
-    with pytest.raises(BadSpec, match="not a choice") as err:
+    with pytest.raises(ConfigError, match="not a choice") as err:
         protected_patterns_for(LINUX_OK, env={WRITE_PROTECTION_ENV: "off"})
     assert "launch-time" in (err.value.fix or "")
 
