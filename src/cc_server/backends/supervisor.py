@@ -147,10 +147,6 @@ WRITE_SYSCALLS: Final[tuple[tuple[str | int, str], ...]] = (
     ("unlinkat", "removes a name or a directory"),
     ("rmdir", "removes a directory"),
     ("truncate", "changes a file's data"),
-    ("chmod", "changes a file's mode (a hook made executable runs)"),
-    ("fchmodat", "changes a file's mode"),
-    ("fchmod", "changes the mode of a file the task has open (for reading, say)"),
-    (452, "fchmodat2: changes a file's mode, also of a file the task has open"),
     ("connect", "a host process's Unix socket in a bind stays out (the launcher's connector)"),
 )
 # Refused outright with the path rules (EOPNOTSUPP, what a filesystem without xattrs answers, which
@@ -160,6 +156,13 @@ WRITE_SYSCALLS: Final[tuple[tuple[str | int, str], ...]] = (
 XATTR_WRITE_SYSCALLS: Final[tuple[str | int, ...]] = (
     "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", 463, 466,
 )  # fmt: skip
+# Trapped with the path rules only when the new mode has an execute bit: a mode without one arms
+# nothing (a hook runs only when executable; set-id bits are the sandbox's own filter's), and tar
+# x restores a mode for every file it makes. Which argument holds the mode (fchmodat2 is 452).
+CHMOD_SYSCALLS: Final[tuple[tuple[str | int, int], ...]] = (
+    ("chmod", 1), ("fchmod", 1), ("fchmodat", 2), (452, 2),
+)  # fmt: skip
+EXEC_BITS: Final = (0o100, 0o010, 0o001)
 # An open of an existing file that can change its data: for writing, or with O_TRUNC.
 WRITE_OPEN_FLAGS: Final = (os.O_WRONLY, os.O_RDWR, os.O_TRUNC)
 SECCOMP_SET_MODE_FILTER: Final = 1
@@ -193,6 +196,9 @@ def notify_filter_bpf(*, writes: bool = False) -> bytes:
             flt.add_rule(sc.NOTIFY, call)
         for call in XATTR_WRITE_SYSCALLS:
             flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), call)
+        for call, index in CHMOD_SYSCALLS:
+            for bit in EXEC_BITS:
+                flt.add_rule(sc.NOTIFY, call, sc.Arg(index, sc.MASKED_EQ, bit, bit))
     flt.add_rule(sc.ERRNO(errno.ENOSYS), "openat2")
     for name in ("io_uring_setup", "io_uring_enter", "io_uring_register"):
         flt.add_rule(sc.ERRNO(errno.EPERM), name)
