@@ -1,0 +1,626 @@
+"""A second hostile review of the write policy, aimed at the first review's fixes (the prefix rule,
+git directories by their shape, the sandbox's own worktrees, the task's own procfs links, the
+connector, EEXIST, the refused xattr calls) and what lies near them. Real bubblewrap; each test
+names its idea in a comment and checks the host afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import socket
+import stat
+import subprocess
+
+import pytest
+from escape_kit import Sandboxes, output, run_attack
+
+from cc_server.runtime.handle import SandboxHandle
+
+pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+GIT_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1"}
+
+
+def _git(*args: str, cwd: pathlib.Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+        check=True, capture_output=True, text=True, env=GIT_ENV, cwd=cwd,
+    )  # fmt: skip
+
+
+def _refusals(handle: SandboxHandle) -> list[tuple[str, str]]:
+    return [(v.action, v.target) for v in handle.violations]
+
+
+CONFIG = "repoA/.git/config"
+NEW_HOOK = "repoA/.git/hooks/pre-commit"
+HOST_WT = "repoA/.git/worktrees/w"  # a host linked worktree's directory (its pointer: wt2/.git)
+
+
+def _plant(wt: pathlib.Path) -> None:
+    """A repository with a host linked worktree, a bare repository, a home-like .config/git, and
+    scratch material; scratch names start `s_`."""
+    _git("init", "-q", str(wt / "repoA"))
+    w = wt / HOST_WT
+    w.mkdir(parents=True)
+    (w / "commondir").write_text("../..\n")
+    (w / "HEAD").write_text("ref: refs/heads/main\n")
+    (w / "gitdir").write_text(f"{wt}/wt2/.git\n")
+    (wt / "wt2").mkdir()
+    (wt / "wt2" / ".git").write_text(f"gitdir: {w}\n")
+    _git("init", "-q", "--bare", str(wt / "bare.git"))
+    (wt / "home" / ".config" / "git").mkdir(parents=True)
+    (wt / "home" / ".config" / "git" / "ignore").write_text("*.o\n")
+    (wt / "plain").mkdir()
+    (wt / "plain" / "b").mkdir()
+    (wt / "plain" / "b" / ".config").mkdir()  # an empty .config a rename could replace
+    (wt / "s_evil" / "git").mkdir(parents=True)  # what an attacker wants as a .config
+    (wt / "s_evil" / "git" / "config").write_text("[core]\n\tpager = evil\n")
+    (wt / "s_file").write_text("[core]\n\tpager = evil\n")
+
+
+def _state(wt: pathlib.Path) -> dict[str, tuple[int, bytes]]:
+    """Every name in the worktree but the top-level scratch ones: its mode and content."""
+    out: dict[str, tuple[int, bytes]] = {}
+    for dirpath, dirnames, filenames in os.walk(wt):
+        rel_dir = pathlib.Path(dirpath).relative_to(wt)
+        if rel_dir == pathlib.Path("."):
+            dirnames[:] = [d for d in dirnames if not d.startswith("s_")]
+            filenames = [f for f in filenames if not f.startswith("s_")]
+        for name in [*dirnames, *filenames]:
+            p = pathlib.Path(dirpath) / name
+            st = p.lstat()
+            data = (
+                p.read_bytes() if stat.S_ISREG(st.st_mode)
+                else os.readlink(p).encode() if stat.S_ISLNK(st.st_mode)
+                else b""
+            )  # fmt: skip
+            out[str(rel_dir / name)] = (st.st_mode, data)
+    return out
+
+
+# name -> (Python body run in the worktree, the verb refused, the judged target relative to it)
+REFUSED: dict[str, tuple[str, str, str]] = {
+    # The prefix rule in another case: a directory holding git/config renamed to .CONFIG.
+    "prefix-case": ("os.rename('s_evil', 'plain/.CONFIG')", "file-write-rename", "plain/.CONFIG"),
+    # ... spelled with `//` and a trailing slash.
+    "prefix-double-slash-trailing": (
+        "os.rename('s_evil/', 'plain//.config/')", "file-write-rename", "plain/.config",
+    ),
+    # ... with RENAME_NOREPLACE.
+    "prefix-noreplace": (
+        "if libc.renameat2(-100, b's_evil', -100, b'plain/.config', 1): fail()",
+        "file-write-rename", "plain/.config",
+    ),
+    # ... through a symlinked parent (judged on the resolved path).
+    "prefix-through-a-symlinked-parent": (
+        "os.symlink('plain', 's_l')\nos.rename('s_evil', 's_l/.config')",
+        "file-write-rename", "plain/.config",
+    ),
+    # `mv a b/.config` where b/.config is an existing empty directory: the rename replaces it.
+    "prefix-replaces-an-empty-dot-config": (
+        "os.rename('s_evil', 'plain/b/.config')", "file-write-rename", "plain/b/.config",
+    ),
+    # RENAME_EXCHANGE of an existing .config with the attacker's directory.
+    "prefix-exchange": (
+        "if libc.renameat2(-100, b'plain/b/.config', -100, b's_evil', 2): fail()",
+        "file-write-rename", "plain/b/.config",
+    ),
+    # A symlink named .config to the attacker's directory.
+    "prefix-symlink": (
+        "os.symlink(os.getcwd() + '/s_evil', 'plain/.config')",
+        "file-write-create", "plain/.config",
+    ),
+    # A directory renamed to .git/worktrees/<name> (a prefix of the worktree patterns).
+    "prefix-worktree-dir": (
+        "os.rename('s_evil', 'repoA/.git/worktrees/new')",
+        "file-write-rename", "repoA/.git/worktrees/new",
+    ),
+    # Renaming the parent of a .config whose child becomes git: the inner rename is judged.
+    "deeper-rename-inside-dot-config": (
+        "os.rename('s_evil/git', 's_evil/gitx')\nos.rename('s_evil', 's_c')\n"
+        "os.makedirs('s_d/.config')\nos.rename('s_c/gitx', 's_d/.config/git')",
+        "file-write-rename", "s_d/.config/git",
+    ),
+    # A hard link of an ordinary file into an existing .config/git.
+    "hard-link-into-dot-config-git": (
+        "os.link('s_file', 'home/.config/git/config')",
+        "file-write-create", "home/.config/git/config",
+    ),
+    # A hard link of the bare repository's HEAD to an ordinary directory (a second bare repo).
+    "hard-link-a-head-out": (
+        "os.makedirs('s_b/objects'); os.makedirs('s_b/refs')\nos.link('bare.git/HEAD', 's_b/HEAD')",
+        "file-write-create", "bare.git/HEAD",  # the source: HEAD outside a .git directory
+    ),
+    # A symlinked HEAD (git accepts `HEAD -> refs/heads/x`) beside objects/ and refs/.
+    "symlinked-head": (
+        "os.makedirs('s_b/objects'); os.makedirs('s_b/refs')\n"
+        "os.symlink('refs/heads/main', 's_b/HEAD')",
+        "file-write-create", "s_b/HEAD",
+    ),
+    # mknod of a regular file named HEAD (not an open).
+    "mknod-head": (
+        "os.makedirs('s_b/objects'); os.makedirs('s_b/refs')\nos.mknod('s_b/HEAD', 0o100644)",
+        "file-write-create", "s_b/HEAD",
+    ),
+    # Shape first, config after: the config write sees the shape (HEAD is the way in).
+    "config-before-head": (
+        "os.makedirs('s_b/objects'); os.makedirs('s_b/refs')\n"
+        "open('s_b/config', 'w').write('[core]\\n\\tpager = evil\\n')\n"
+        "open('s_b/HEAD', 'w').write('ref: refs/heads/main\\n')",
+        "file-write-create", "s_b/HEAD",
+    ),
+    # Remove a bare repository's HEAD (then write its config, then restore HEAD).
+    "remove-bare-head": ("os.unlink('bare.git/HEAD')", "file-write-unlink", "bare.git/HEAD"),
+    # ... or move it aside.
+    "rename-bare-head": (
+        "os.rename('bare.git/HEAD', 'bare.git/HEAD.x')", "file-write-rename", "bare.git/HEAD",
+    ),
+    # A git-shaped directory made inside .git, then moved out of it.
+    "shaped-inside-git-moved-out": (
+        "for d in ('objects', 'refs'): os.makedirs('repoA/.git/s_x/' + d)\n"
+        "open('repoA/.git/s_x/config', 'w').write('[core]\\n\\tpager = evil\\n')\n"
+        "open('repoA/.git/s_x/HEAD', 'w').write('ref: refs/heads/main\\n')\n"
+        "os.rename('repoA/.git/s_x', 's_out')",
+        "file-write-rename", "repoA/.git/s_x",
+    ),
+    # .git itself renamed (its config would be an ordinary name elsewhere).
+    "rename-dot-git": ("os.rename('repoA/.git', 'repoA/s_git')", "file-write-rename", "repoA/.git"),
+    # .git/worktrees renamed away (then made again, as the sandbox's own).
+    "rename-worktrees": (
+        "os.rename('repoA/.git/worktrees', 'repoA/.git/s_wts')",
+        "file-write-rename", "repoA/.git/worktrees",
+    ),
+    # A host worktree's directory removed (commondir first: refused there already).
+    "rm-host-worktree-commondir": (
+        f"os.unlink('{HOST_WT}/commondir')", "file-write-unlink", f"{HOST_WT}/commondir",
+    ),
+    # The sandbox's own worktree dir exchanged with the host's (the host pointer would then
+    # name the sandbox's directory).
+    "exchange-own-and-host-worktree": (
+        "os.mkdir('repoA/.git/worktrees/mine')\n"
+        "open('repoA/.git/worktrees/mine/commondir', 'w').write('/evil\\n')\n"
+        "if libc.renameat2(-100, b'repoA/.git/worktrees/mine', -100, b'repoA/.git/worktrees/w', 2):"
+        " fail()",
+        "file-write-rename", HOST_WT,
+    ),
+    # ... and the host's exchanged with the sandbox's (the other side first).
+    "exchange-host-and-own-worktree": (
+        "os.mkdir('repoA/.git/worktrees/mine')\n"
+        "open('repoA/.git/worktrees/mine/commondir', 'w').write('/evil\\n')\n"
+        "if libc.renameat2(-100, b'repoA/.git/worktrees/w', -100, b'repoA/.git/worktrees/mine', 2):"
+        " fail()",
+        "file-write-rename", HOST_WT,  # the host's directory may not be moved
+    ),
+    # The sandbox's own worktree renamed onto the host's name (replacing it).
+    "rename-own-onto-host-worktree": (
+        "os.mkdir('repoA/.git/worktrees/mine')\n"
+        "os.rename('repoA/.git/worktrees/mine', 'repoA/.git/worktrees/w')",
+        "file-write-rename", HOST_WT,
+    ),
+    # /proc/thread-self/fd/N of a read-only fd, reopened for writing.
+    "proc-thread-self-fd": (
+        f"fd = os.open('{CONFIG}', os.O_RDONLY)\n"
+        "os.write(os.open(f'/proc/thread-self/fd/{fd}', os.O_WRONLY), b'evil')",
+        "file-write-data", CONFIG,
+    ),
+    # /proc/<own pid>/task/<own tid>/fd/N.
+    "proc-own-task-fd": (
+        f"fd = os.open('{CONFIG}', os.O_RDONLY)\n"
+        "p = f'/proc/{os.getpid()}/task/{__import__(\"threading\").get_native_id()}/fd/{fd}'\n"
+        "os.write(os.open(p, os.O_WRONLY), b'evil')",
+        "file-write-data", CONFIG,
+    ),
+    # /proc/self/fd of a directory fd, then a relative name (a new hook).
+    "proc-self-fd-of-a-dir-then-a-name": (
+        "d = os.open('repoA/.git/hooks', os.O_RDONLY | os.O_DIRECTORY)\n"
+        "os.open(f'/proc/self/fd/{d}/pre-commit', os.O_CREAT | os.O_WRONLY, 0o755)",
+        "file-write-create", NEW_HOOK,
+    ),
+    # /proc/self/cwd with the cwd inside .git.
+    "proc-self-cwd-inside-git": (
+        "os.chdir('repoA/.git')\nos.write(os.open('/proc/self/cwd/config', os.O_WRONLY), b'evil')",
+        "file-write-data", CONFIG,
+    ),
+    # /proc/self/cwd/.. from inside .git/hooks to config (.. through a magic link).
+    "proc-self-cwd-dotdot": (
+        "os.chdir('repoA/.git/hooks')\n"
+        "os.write(os.open('/proc/self/cwd/../config', os.O_WRONLY | os.O_APPEND), b'evil')",
+        "file-write-data", CONFIG,
+    ),
+    # A bare repository's config through /proc/self/fd (the object path).
+    "object-path-bare-config": (
+        "fd = os.open('bare.git/config', os.O_RDONLY)\n"
+        "os.write(os.open(f'/proc/self/fd/{fd}', os.O_WRONLY), b'evil')",
+        "file-write-data", "bare.git/config",
+    ),
+    # packed-refs and info/attributes are not protected, but a bare repo's hooks are, also
+    # by the object path (an O_PATH fd of the hooks directory, then a name).
+    "object-path-bare-hooks-dir": (
+        "d = os.open('bare.git/hooks', os.O_PATH | os.O_DIRECTORY)\n"
+        "os.open(f'/proc/self/fd/{d}/post-receive', os.O_CREAT | os.O_WRONLY, 0o755)",
+        "file-write-create", "bare.git/hooks/post-receive",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+async def test_review2_the_supervisor_refuses_and_reports_once(
+    sb: Sandboxes, tmp_path: pathlib.Path, name: str
+) -> None:
+    wt = sb.worktree
+    _plant(wt)
+    body, action, rel = REFUSED[name]
+    before = _state(wt)
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=refused [Errno 13]" in out, out
+    # What the attack made before the refused step (inside .git, not at the top) is left.
+    made = ("repoA/.git/s_x", "repoA/.git/worktrees/mine")
+    assert {k: v for k, v in _state(wt).items() if not k.startswith(made)} == before, out
+    assert (wt / HOST_WT / "commondir").read_text() == "../..\n", out
+    assert not (wt / NEW_HOOK).exists(), out
+    assert _refusals(handle) == [(action, f"{wt}/{rel}")], (_refusals(handle), out)
+
+
+# name -> Python body; each must fail, change nothing, and make no file-* violation (the filter
+# answers EOPNOTSUPP for every xattr write, the kernel the rest).
+NOT_SUPERVISED: dict[str, str] = {
+    # setxattrat (Linux 6.13, nr 463) with AT_SYMLINK_NOFOLLOW: a POSIX ACL on a hook.
+    "setxattrat-acl-on-a-hook": (
+        "import struct\n"
+        "acl = struct.pack('<I', 2) + struct.pack('<HHI', 1, 7, 0xffffffff) + "
+        "struct.pack('<HHI', 4, 7, 0xffffffff) + struct.pack('<HHI', 32, 7, 0xffffffff)\n"
+        "args = struct.pack('<QII', ctypes.cast(ctypes.c_char_p(acl), ctypes.c_void_p).value,"
+        " len(acl), 0)\n"
+        "if libc.syscall(463, -100, b'repoA/.git/hooks/pre-push.sample', 0x100,"
+        " b'system.posix_acl_access', args, len(args)) < 0: fail()"
+    ),
+    # fsetxattr on an O_PATH fd of the config (the kernel says EBADF; never a write).
+    "fsetxattr-on-o-path": (
+        f"fd = os.open('{CONFIG}', os.O_PATH)\n"
+        "if libc.fsetxattr(fd, b'user.x', b'1', 1, 0): fail()"
+    ),
+    # lremovexattr and removexattrat (466) of the config's security label.
+    "removexattrat": (
+        f"if libc.syscall(466, -100, b'{CONFIG}', 0, b'user.x') < 0: fail()"
+    ),
+    # `git config --file` on a bare repository's config: git's lock file then rename onto it.
+    "git-config-file-on-a-bare-repo": (
+        "import subprocess\n"
+        "r = subprocess.run(['git', 'config', '--file', 'bare.git/config', 'core.pager', 'evil'])\n"
+        "if r.returncode: raise PermissionError(13, 'git config failed')"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(NOT_SUPERVISED))
+async def test_review2_refused_without_a_write(
+    sb: Sandboxes, tmp_path: pathlib.Path, name: str
+) -> None:
+    wt = sb.worktree
+    _plant(wt)
+    before = _state(wt)
+    handle, out = await run_attack(sb, tmp_path, NOT_SUPERVISED[name])
+    assert "RESULT=refused" in out, out
+    assert _state(wt) == before, out
+    if name.startswith("git-config"):  # refused at git's rename onto the config: one violation
+        assert _refusals(handle) == [("file-write-rename", f"{wt}/bare.git/config")], out
+    else:
+        assert not [v for v in handle.violations if v.action.startswith("file-")], out
+
+
+async def test_review2_existing_protected_names_are_eexist_not_violations(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # name_for_create's EEXIST: mkdir of an existing .git, .git/hooks, a host worktree dir, a
+    # symlink and a socket onto an existing protected name: the kernel's EEXIST (what mkdir -p
+    # expects), no violation; O_CREAT|O_EXCL of the config is a refusal (it names a protected
+    # file) or EEXIST, never a write.
+    wt = sb.worktree
+    _plant(wt)
+    before = _state(wt)
+    body = (
+        "import errno, socket\ngot = []\n"
+        f"for p in ('repoA/.git', 'repoA/.git/hooks', '{HOST_WT}', 'bare.git/hooks'):\n"
+        "    try:\n        os.mkdir(p); got.append('MADE')\n"
+        "    except OSError as e:\n        got.append(e.errno)\n"
+        f"for f in (lambda: os.symlink('/evil', '{CONFIG}'),\n"
+        f"          lambda: socket.socket(socket.AF_UNIX).bind('{CONFIG}'),\n"
+        f"          lambda: os.mknod('{HOST_WT}/commondir')):\n"
+        "    try:\n        f(); got.append('MADE')\n"
+        "    except OSError as e:\n        got.append(e.errno)\n"
+        "print('got', got)\n"
+        "import subprocess\n"
+        "print('mkdir-p', subprocess.run(['mkdir', '-p', 'repoA/.git/hooks', 'repoA/.git/info'])"
+        ".returncode)\n"
+    )
+    handle, out = await run_attack(sb, tmp_path, body)
+    # (bind: the kernel says EADDRINUSE, the supervisor EEXIST; see the review's report)
+    assert any(f"got [17, 17, 17, 17, 17, {e}, 17]" in out for e in (17, 98)), out
+    assert "mkdir-p 0" in out, out
+    assert _state(wt) == before, out
+    assert handle.violations == [], _refusals(handle)
+
+
+class _HostListener:
+    """A host process's listening Unix socket; `contacts()` says whether anyone reached it."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX)
+        self.sock.bind(str(path))
+        path.chmod(0o777)
+        self.sock.listen(256)
+        self.sock.setblocking(False)
+
+    def contacts(self) -> int:
+        n = 0
+        while True:
+            try:
+                self.sock.accept()[0].close()
+                n += 1
+            except BlockingIOError:
+                return n
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+FIND_CONNECTOR = (
+    "import signal, socket, subprocess, time, threading\n"
+    "conn = [int(n) for n in os.listdir('/proc') if n.isdigit()\n"
+    "        and 'Seccomp_filters:\\t1' in open(f'/proc/{n}/status').read()]\n"
+    "assert len(conn) == 1, conn\n"
+    "def attempt(f):\n"
+    "    try:\n        f(); return 'ok'\n"
+    "    except OSError as e:\n        return e.errno\n"
+)
+
+
+async def test_review2_a_killed_connector_fails_closed(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # The connector killed from inside (same uid): every bind and connect it would have made is
+    # refused from then on (none is made by the supervisor instead, with its reach), a pathname
+    # bind (the supervisor's own) still works, and the host's socket stays out.
+    wt = sb.worktree
+    listener = _HostListener(wt / "host.sock")
+    body = FIND_CONNECTOR + (
+        "os.kill(conn[0], signal.SIGKILL); time.sleep(0.3)\n"
+        "r = {}\n"
+        "r['inet-bind'] = attempt(lambda: socket.socket().bind(('127.0.0.1', 0)))\n"
+        "r['abstract-bind'] = attempt(lambda: socket.socket(socket.AF_UNIX).bind('\\0s-x'))\n"
+        "r['netlink-groups'] = attempt(lambda: socket.socket(socket.AF_NETLINK, socket.SOCK_RAW,"
+        " 0).bind((0, 1)))\n"
+        "own = socket.socket(socket.AF_UNIX)\n"
+        "r['path-bind'] = attempt(lambda: own.bind('s_own.sock'))\n"
+        "own.listen()\n"
+        "r['own-connect'] = attempt(lambda: socket.socket(socket.AF_UNIX).connect('s_own.sock'))\n"
+        "r['host-connect'] = attempt(lambda: socket.socket(socket.AF_UNIX).connect('host.sock'))\n"
+        "print('r', sorted(r.items()))\n"
+    )
+    try:
+        handle, out = await run_attack(sb, tmp_path, body)
+        assert listener.contacts() == 0, out
+    finally:
+        listener.close()
+    assert (
+        "r [('abstract-bind', 111), ('host-connect', 13), ('inet-bind', 111), "
+        "('netlink-groups', 111), ('own-connect', 111), ('path-bind', 'ok')]"
+    ) in out, out
+    assert _refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
+
+
+async def test_review2_binds_through_the_connector_keep_the_task_s_reach(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Binds the connector makes: netlink with multicast groups (EPERM: no CAP_NET_ADMIN; only
+    # NETLINK_KOBJECT_UEVENT, 15, lets anyone receive, as the kernel does for the task), a port
+    # below 1024 (EACCES), while an abstract socket, port 0 and a datagram socket work; a
+    # socket fd dup2'd between AF_UNIX and AF_INET during the binds binds one or the other,
+    # never a port below 1024.
+    body = FIND_CONNECTOR + (
+        "r = {}\n"
+        "for proto in (0, 6, 12, 15):\n"
+        "    r[f'netlink-{proto}'] = attempt(lambda: socket.socket(socket.AF_NETLINK,"
+        " socket.SOCK_RAW, proto).bind((0, 0xffffffff)))\n"
+        "r['port-80'] = attempt(lambda: socket.socket().bind(('127.0.0.1', 80)))\n"
+        "r['port-80-v6'] = attempt(lambda: socket.socket(socket.AF_INET6).bind(('::1', 80)))\n"
+        "r['port-0'] = attempt(lambda: socket.socket().bind(('127.0.0.1', 0)))\n"
+        "r['udp'] = attempt(lambda: socket.socket(type=socket.SOCK_DGRAM).bind(('0.0.0.0', 0)))\n"
+        "a = socket.socket(socket.AF_UNIX)\n"
+        "r['abstract'] = attempt(lambda: (a.bind('\\0s-review2'), a.listen()))\n"
+        "r['abstract-connect'] = attempt(lambda: socket.socket(socket.AF_UNIX)"
+        ".connect('\\0s-review2'))\n"
+        "import ctypes\n"
+        "sa = (ctypes.c_char * 16)(*b'\\x02\\x00\\x00\\x50\\x7f\\x00\\x00\\x01' + b'\\0' * 8)\n"
+        "tcp = socket.socket(); unix = socket.socket(socket.AF_UNIX)\n"
+        "n = os.dup(tcp.fileno()); stop = []\n"
+        "def flip():\n"
+        "    while not stop:\n"
+        "        os.dup2(unix.fileno(), n); os.dup2(tcp.fileno(), n)\n"
+        "t = threading.Thread(target=flip); t.start()\n"
+        "low = 0\n"
+        "for i in range(200):\n"
+        "    if libc.bind(n, sa, 16) == 0: low += 1\n"
+        "stop.append(1); t.join()\n"
+        "r['low-port-race'] = low\n"
+        "print('r', sorted(r.items()))\n"
+    )
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert (
+        "r [('abstract', 'ok'), ('abstract-connect', 'ok'), ('low-port-race', 0), "
+        "('netlink-0', 1), ('netlink-12', 1), ('netlink-15', 'ok'), ('netlink-6', 1), "
+        "('port-0', 'ok'), ('port-80', 13), ('port-80-v6', 13), ('udp', 'ok')]"
+    ) in out, out
+
+
+async def test_review2_a_flooded_connector_lets_nothing_out_and_recovers(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # 100 blocking connects at once to the sandbox's own listener, which never accepts (its
+    # backlog full, each waits in a connector thread; past 64 the connector says EAGAIN): the
+    # host's socket is still refused meanwhile, and once the listener closes every waiting
+    # connect ends and a new connect works.
+    wt = sb.worktree
+    listener = _HostListener(wt / "host.sock")
+    body = FIND_CONNECTOR + (
+        "own = socket.socket(socket.AF_UNIX); own.bind('s_full.sock'); own.listen(0)\n"
+        "results = []\n"
+        "def one():\n"
+        "    c = socket.socket(socket.AF_UNIX)\n"
+        "    results.append(attempt(lambda: c.connect('s_full.sock')))\n"
+        "threads = [threading.Thread(target=one) for _ in range(100)]\n"
+        "for t in threads: t.start()\n"
+        "time.sleep(1.0)\n"
+        "print('host', attempt(lambda: socket.socket(socket.AF_UNIX).connect('host.sock')))\n"
+        "own.close(); os.unlink('s_full.sock')\n"
+        "for t in threads: t.join(10)\n"
+        "print('alive', sum(t.is_alive() for t in threads))\n"
+        "print('eagain', results.count(11) > 0)\n"
+        "again = socket.socket(socket.AF_UNIX); again.bind('s_again.sock'); again.listen()\n"
+        "print('after', attempt(lambda: socket.socket(socket.AF_UNIX).connect('s_again.sock')))\n"
+    )
+    try:
+        handle, out = await run_attack(sb, tmp_path, body)
+        assert listener.contacts() == 0, out
+    finally:
+        listener.close()
+    assert "host 13" in out and "alive 0" in out and "after ok" in out, out
+    assert "RESULT=done" in out, out
+    assert _refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
+
+
+async def test_review2_a_stopped_connector_holds_binds_until_resumed(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # SIGSTOP to the connector, then an IP bind: it waits (killable) rather than being made by
+    # the supervisor; after SIGCONT binds work again.
+    body = FIND_CONNECTOR + (
+        "os.kill(conn[0], signal.SIGSTOP)\n"
+        'probe = \'import socket; socket.socket().bind(("127.0.0.1", 0)); print("BOUND")\'\n'
+        "def run():\n"
+        "    p = subprocess.run(['timeout', '-s', 'KILL', '2', 'python3', '-c', probe],\n"
+        "                       capture_output=True, text=True)\n"
+        "    return p.returncode, p.stdout.strip()\n"
+        "print('stopped', run())\n"
+        "os.kill(conn[0], signal.SIGCONT); time.sleep(0.2)\n"
+        "print('resumed', run())\n"
+    )
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert "stopped (-9, '')" in out and "resumed (0, 'BOUND')" in out, out
+
+
+async def test_review2_creates_deep_below_hooks_names_are_not_pathologically_slow(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # A create whose path has /hooks/ in it walks up (at most 16 levels) looking for a git
+    # directory: 300 creates at the bottom of a 200-deep chain of `hooks` directories, against
+    # the same below plain names. The walk is bounded; no create is refused.
+    body = (
+        "import time\n"
+        "def bench(name):\n"
+        "    os.makedirs('s_' + name + '/' + '/'.join([name] * 200))\n"
+        "    d = os.open('s_' + name + '/' + '/'.join([name] * 200), os.O_PATH | os.O_DIRECTORY)\n"
+        "    t = time.perf_counter()\n"
+        "    for i in range(300):\n"
+        "        os.close(os.open(f'f{i}', os.O_CREAT | os.O_WRONLY, 0o644, dir_fd=d))\n"
+        "    return time.perf_counter() - t\n"
+        "plain = min(bench('plain' + str(k)) for k in range(2))\n"
+        "hooks = min(bench('hooks') if k == 0 else bench('modules') for k in range(2))\n"
+        "print(f'per-create plain {plain / 300 * 1e6:.0f} us, hooks {hooks / 300 * 1e6:.0f} us')\n"
+        "print('ratio', hooks / plain)\n"
+    )
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=done" in out, out
+    ratio = float(out.split("ratio ")[1].split()[0])
+    # Measured on a 2-vCPU VM: ~650 us per create below the hooks chain, ~160 below the plain
+    # one (4x; a shallow create is ~25-40 us): bounded, not quadratic.
+    assert ratio < 10, out
+    assert handle.violations == [], _refusals(handle)
+
+
+def _wheel(where: pathlib.Path) -> pathlib.Path:
+    """A minimal pure-Python wheel (no network, no build step) with a hooks/ package dir."""
+    import zipfile
+
+    path = where / "revtwo-1.0-py3-none-any.whl"
+    files = {
+        "revtwo/__init__.py": "X = 1\n",
+        "revtwo/hooks/__init__.py": "",
+        "revtwo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: revtwo\nVersion: 1.0\n",
+        "revtwo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\n"
+        "Tag: py3-none-any\n",
+    }
+    record = "".join(f"{name},,\n" for name in files) + "revtwo-1.0.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in {**files, "revtwo-1.0.dist-info/RECORD": record}.items():
+            z.writestr(name, text)
+    return path
+
+
+async def test_review2_ordinary_work_near_the_fixes_still_works(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # The control: git init and commit in /tmp (outside every bind); in a host repository of the
+    # bind git commit, git gc, git worktree add /tmp/x (a commit there, then worktree remove);
+    # a source tree with src/hooks/ and a config file written; cp -a and tar --xattrs of files
+    # (the xattr calls answer EOPNOTSUPP, which both take); pip install of a wheel into a venv
+    # in the worktree; npm install of a local package.
+    wt = sb.worktree
+    _git("init", "-q", "-b", "main", str(wt / "repoA"))
+    (wt / "repoA" / "a.txt").write_text("a\n")
+    _git("-C", str(wt / "repoA"), "add", "a.txt")
+    _git("-C", str(wt / "repoA"), "commit", "-q", "-m", "one")
+    config_before = (wt / "repoA" / ".git" / "config").read_bytes()
+    wheel = _wheel(tmp_path)
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "package.json").write_text('{"name": "revtwo", "version": "1.0.0"}\n')
+    (tmp_path / "pkg" / "index.js").write_text("module.exports = 1;\n")
+    src = tmp_path / "x"
+    src.mkdir()
+    (src / "f").write_text("f\n")
+    os.setxattr(src / "f", "user.k", b"v")
+    subprocess.run(["tar", "--xattrs", "-cf", str(tmp_path / "x.tar"), "-C", str(tmp_path), "x"],
+                   check=True)  # fmt: skip
+    g = "git -c user.name=t -c user.email=t@t"
+    steps = {
+        "tmp-repo": f"cd /tmp && {g} init -q r && cd r && echo x > x && {g} add x && "
+        f"{g} commit -qm x",
+        "commit": f"cd {wt}/repoA && echo b > b.txt && {g} add b.txt && {g} commit -qm two",
+        "gc": f"cd {wt}/repoA && {g} gc -q",
+        "worktree-add": f"cd {wt}/repoA && {g} worktree add -q /tmp/x -b feat && cd /tmp/x && "
+        f"echo c > c.txt && {g} add c.txt && {g} commit -qm three",
+        "worktree-remove": f"cd {wt}/repoA && {g} worktree remove /tmp/x",
+        "hooks-src": f"mkdir -p {wt}/app/src/hooks && echo 'x' > {wt}/app/src/hooks/useX.ts && "
+        f"echo 'k: v' > {wt}/app/config",
+        "cp-a": f"cp -a {src} {wt}/s_cp",
+        "tar-xattrs": f"mkdir {wt}/s_tar && tar --xattrs -xf {tmp_path}/x.tar -C {wt}/s_tar",
+        "pip": f"python3 -m venv --system-site-packages --without-pip {wt}/venv && "
+        f"{wt}/venv/bin/python -m pip install -q --no-index --no-deps {wheel} && "
+        f"{wt}/venv/bin/python -c 'import revtwo.hooks'",
+        "npm": f"mkdir {wt}/s_npm && cd {wt}/s_npm && echo '{{}}' > package.json && "
+        f"HOME={wt}/s_npm npm install --offline --no-audit --no-fund --no-update-notifier -s "
+        f"{tmp_path}/pkg",
+    }
+    script = "\n".join(
+        f"if ( {cmd} ) >/tmp/log 2>&1; then echo '{k}=ok'; else echo '{k}=fail'; cat /tmp/log; fi"
+        for k, cmd in steps.items()
+    )
+    handle = sb.launch(bindMounts=[
+        {"hostPath": str(wt)}, {"hostPath": str(tmp_path / "pkg"), "readOnly": True},
+        {"hostPath": str(tmp_path / "x.tar"), "readOnly": True},
+        {"hostPath": str(wheel), "readOnly": True}, {"hostPath": str(src), "readOnly": True},
+    ])  # fmt: skip
+    result = await sb.sh(handle, script, timeout_s=120)
+    out = output(result)
+    for k in steps:
+        assert f"{k}=ok" in out, out
+    log = _git("-C", str(wt / "repoA"), "log", "--all", "--format=%s").stdout.split()
+    assert sorted(log) == ["one", "three", "two"], log
+    assert (wt / "repoA" / ".git" / "config").read_bytes() == config_before
+    assert not (wt / "repoA" / ".git" / "worktrees" / "x").exists()
+    assert (wt / "s_cp" / "f").read_text() == "f\n" and (wt / "s_tar" / "x" / "f").exists()
+    assert (wt / "s_npm" / "node_modules" / "revtwo").exists(), out
+    # (npm may still look for the registry: the egress proxy refuses that, not the write policy)
+    assert [v for v in handle.violations if v.action.startswith("file-")] == [], _refusals(handle)
