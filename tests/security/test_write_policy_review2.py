@@ -624,3 +624,23 @@ async def test_review2_ordinary_work_near_the_fixes_still_works(
     assert (wt / "s_npm" / "node_modules" / "revtwo").exists(), out
     # (npm may still look for the registry: the egress proxy refuses that, not the write policy)
     assert [v for v in handle.violations if v.action.startswith("file-")] == [], _refusals(handle)
+
+
+async def test_review2_past_64_own_worktrees_a_commondir_stays_protected(sb: Sandboxes) -> None:
+    # The sandbox's own worktree directories are tracked up to 64 (each held open); the 65th is
+    # not its own, so its commondir is refused (fail closed), never let through untracked.
+    wt = sb.worktree
+    _git("init", "-q", str(wt / "repoA"))
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"cd {wt}/repoA/.git && mkdir worktrees && for i in $(seq 1 65); do "
+        "mkdir worktrees/o$i || echo MKDIR-FAILED; done; "
+        "echo ../.. > worktrees/o1/commondir; echo first=$?; "
+        "echo ../.. > worktrees/o65/commondir; echo last=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert "first=0" in out and "last=0" not in out and "MKDIR-FAILED" not in out, out
+    assert not (wt / "repoA" / ".git" / "worktrees" / "o65" / "commondir").exists(), out
+    assert _refusals(handle) == [
+        ("file-write-create", f"{wt}/repoA/.git/worktrees/o65/commondir")
+    ], out
