@@ -242,6 +242,24 @@ REFUSED: dict[str, tuple[str, str, str]] = {
         "os.open(f'/proc/self/fd/{d}/post-receive', os.O_CREAT | os.O_WRONLY, 0o755)",
         "file-write-create", "bare.git/hooks/post-receive",
     ),
+    # A bare repository's config and a new hook, written straight (its shape is intact).
+    "bare-config-append": (
+        "open('bare.git/config', 'a').write('[core]\\n\\tpager = evil\\n')",
+        "file-write-data", "bare.git/config",
+    ),
+    "bare-new-hook": (
+        "os.open('bare.git/hooks/post-receive', os.O_CREAT | os.O_WRONLY, 0o755)",
+        "file-write-create", "bare.git/hooks/post-receive",
+    ),
+    # A hook renamed into a bare repository's hooks, and its hooks exchanged with another dir.
+    "rename-into-bare-hooks": (
+        "os.rename('s_file', 'bare.git/hooks/post-update')",
+        "file-write-rename", "bare.git/hooks/post-update",
+    ),
+    "exchange-bare-hooks": (
+        "if libc.renameat2(-100, b's_evil', -100, b'bare.git/hooks', 2): fail()",
+        "file-write-rename", "bare.git/hooks",
+    ),
 }  # fmt: skip
 
 
