@@ -21,7 +21,7 @@ from cc_server.dispatch.acp import (
 )
 from cc_server.dispatch.harness import shell_argv
 from cc_server.dispatch.violations import MAX_KEPT, ViolationLog
-from cc_server.errors import BadSpec
+from cc_server.errors import BadSpec, ConfigError
 from cc_server.policy import HostFacts, Mode, SandboxBackend, SandboxSpec
 from cc_server.runtime.port import SandboxManager
 from cc_server.server.dispatch_api import _default_agent_dirs, config_from_env
@@ -58,7 +58,7 @@ def test_operator_settings_come_from_the_environment(tmp_path: pathlib.Path) -> 
     {"CC_SERVER_MODEL_KEY_FILE": "/nonexistent/key"},
 ])
 def test_bad_operator_settings_are_refused(env: dict[str, str]) -> None:
-    with pytest.raises(BadSpec):
+    with pytest.raises(ConfigError):
         config_from_env({"HOME": "/nonexistent", **env})
 
 
