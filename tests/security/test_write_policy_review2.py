@@ -6,11 +6,18 @@ names its idea in a comment and checks the host afterwards.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import os
 import pathlib
 import socket
 import stat
 import subprocess
+import sys
+import termios
+import textwrap
+import time
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
@@ -662,3 +669,322 @@ async def test_review2_past_64_own_worktrees_a_commondir_stays_protected(sb: San
     assert _refusals(handle) == [
         ("file-write-create", f"{wt}/repoA/.git/worktrees/o65/commondir")
     ], out
+
+
+# Ready to paste into tests/security/test_write_policy_review2.py, after its helpers (_git,
+# _refusals, GIT_ENV; Sandboxes, output, run_attack from escape_kit). Add to its imports:
+#     import asyncio, contextlib, fcntl, sys, termios, textwrap, time
+# Each asserts the SAFE outcome; every one FAILS on main at f94658f / 0c606a1 (2026-12-02).
+
+
+async def test_review2_escape_shape_broken_by_moving_refs_then_restored(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Idea: gitdir_shaped looks for HEAD, objects/ and refs/ at the moment of the write. Move
+    # refs/ (or objects/) away, the directory is no git directory: write its config and a hook,
+    # move refs/ back. A --separate-git-dir store (the host's next `git status` in proj runs
+    # core.fsmonitor) and a bare repository (objects/ moved; host `git push` runs its hooks).
+    wt = sb.worktree
+    pwned = tmp_path / "PWNED"
+    (wt / "store").mkdir()
+    _git("init", "-q", "--separate-git-dir", str(wt / "store" / "r.git"), str(wt / "proj"))
+    _git("init", "-q", "--bare", str(wt / "bare.git"))
+    cfg, bare_cfg = wt / "store" / "r.git" / "config", wt / "bare.git" / "config"
+    before, bare_before = cfg.read_bytes(), bare_cfg.read_bytes()
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"cd {wt}; mv store/r.git/refs store/r.git/s_refs; "
+        f"printf '[core]\\n\\tfsmonitor = touch {pwned}\\n' >> store/r.git/config; echo cfg=$?; "
+        "echo evil > store/r.git/hooks/pre-commit; echo hook=$?; "
+        "mv store/r.git/s_refs store/r.git/refs; "
+        "mv bare.git/objects bare.git/s_o; echo '[core] pager = evil' >> bare.git/config; "
+        "echo bare_cfg=$?; echo evil > bare.git/hooks/post-receive; echo bare_hook=$?; "
+        "mv bare.git/s_o bare.git/objects"
+    ))  # fmt: skip
+    out = output(result)
+    subprocess.run(["git", "-C", str(wt / "proj"), "status"], env=GIT_ENV, capture_output=True)
+    assert not pwned.exists(), f"host git status ran the sandbox's fsmonitor: {out}"
+    assert [line for line in out.splitlines() if line.endswith("=0")] == [], out
+    assert cfg.read_bytes() == before and bare_cfg.read_bytes() == bare_before, out
+    assert not (wt / "store" / "r.git" / "hooks" / "pre-commit").exists(), out
+    assert not (wt / "bare.git" / "hooks" / "post-receive").exists(), out
+    assert len(_refusals(handle)) >= 2, out
+
+
+async def test_review2_escape_a_bind_root_git_dir_with_refs_moved_away(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Idea: the same shape break at a bind whose root is a repository's .git (the main repository
+    # of a linked worktree): no pattern applies there (the names are `config`, `hooks/x` below
+    # the root) and the shape is gone while refs/ is away.
+    other = tmp_path / "other"
+    _git("init", "-q", str(other))
+    gitdir = other / ".git"
+    before = (gitdir / "config").read_bytes()
+    handle = sb.launch(bindMounts=[{"hostPath": str(sb.worktree)}, {"hostPath": str(gitdir)}])
+    result = await sb.sh(handle, (
+        f"cd {gitdir} && mv refs s_r; echo '[core] fsmonitor = evil' >> config; echo cfg=$?; "
+        "echo evil > hooks/pre-commit; echo hook=$?; mv s_r refs"
+    ))  # fmt: skip
+    out = output(result)
+    assert "cfg=0" not in out and "hook=0" not in out, out
+    assert (gitdir / "config").read_bytes() == before, out
+    assert not (gitdir / "hooks" / "pre-commit").exists(), out
+    assert (gitdir / "refs").is_dir(), out
+
+
+async def test_review2_escape_a_gitdir_whose_objects_is_a_symlink(sb: Sandboxes) -> None:
+    # Idea: git takes objects/ (and refs/) through a symlink (access(X_OK) follows; the `repo`
+    # tool and shared object stores lay repositories out so); gitdir_shaped asks for a real
+    # directory (AT_SYMLINK_NOFOLLOW), so such a repository's config is an ordinary file.
+    wt = sb.worktree
+    _git("init", "-q", "--bare", str(wt / "sym.git"))
+    os.rename(wt / "sym.git" / "objects", wt / "objstore")
+    (wt / "sym.git" / "objects").symlink_to("../objstore")
+    _git("--git-dir", str(wt / "sym.git"), "rev-parse", "--git-dir")  # host git: a repository
+    before = (wt / "sym.git" / "config").read_bytes()
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"cd {wt}; echo '[core] pager = evil' >> sym.git/config; echo cfg=$?; "
+        "echo evil > sym.git/hooks/post-receive; echo hook=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert "cfg=0" not in out and "hook=0" not in out, out
+    assert (wt / "sym.git" / "config").read_bytes() == before, out
+
+
+async def test_review2_regression_chmod_and_tar_x_below_hooks_and_config_dirs(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Ordinary work: an object-path check (existing_object -> path_refused(obj, "") ->
+    # gitdir_refused with an empty name) refuses outright any path with /hooks/ in it or whose
+    # last name is config, shaped or not: `chmod` of src/hooks/x.sh and of a config/ directory
+    # (a Rails app) are refused, and `tar x` of such a project exits 2 (its directories' modes).
+    wt = sb.worktree
+    src = tmp_path / "src"
+    (src / "proj" / "src" / "hooks").mkdir(parents=True)
+    (src / "proj" / "src" / "hooks" / "useX.sh").write_text("x\n")
+    (src / "proj" / "config").mkdir()
+    (src / "proj" / "config" / "app.yml").write_text("x\n")
+    subprocess.run(["tar", "cf", str(wt / "proj.tar"), "-C", str(src), "proj"], check=True)
+    (wt / "app").mkdir()
+    (wt / "app" / "config").mkdir()
+    (wt / "app" / "src" / "hooks").mkdir(parents=True)
+    (wt / "app" / "src" / "hooks" / "run.sh").write_text("x\n")
+    handle = sb.launch()
+    result = await sb.sh(handle, (
+        f"cd {wt}; chmod 755 app/src/hooks/run.sh; echo chmod_hook=$?; "
+        "chmod 700 app/config; echo chmod_config=$?; mkdir out; tar xf proj.tar -C out; echo tar=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert "chmod_hook=0" in out and "chmod_config=0" in out and "tar=0" in out, out
+    assert (wt / "app" / "src" / "hooks" / "run.sh").stat().st_mode & 0o777 == 0o755, out
+    assert handle.violations == [], _refusals(handle)
+
+
+async def test_review2_regression_bind_onto_an_existing_name_is_eaddrinuse(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Ordinary work: name_for_create answers EEXIST for every existing name, bind included; the
+    # kernel says EADDRINUSE, which servers test for to remove a stale socket and bind again.
+    body = (
+        "import socket\ns = socket.socket(socket.AF_UNIX); s.bind('s_stale.sock'); s.close()\n"
+        "try:\n    socket.socket(socket.AF_UNIX).bind('s_stale.sock')\n"
+        "except OSError as e:\n    print('errno', e.errno)\n"
+    )
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert "errno 98" in out, out
+
+
+_TTY_CHILD = textwrap.dedent("""
+    import asyncio, os, sys
+    from cc_server.backends.probe import probe
+    from cc_server.policy import HostFacts, detect_platform, parse_spec
+    from cc_server.runtime.handle import run_collect
+    from cc_server.runtime.port import SandboxManager
+
+    async def main():
+        wt = sys.argv[1]
+        host = HostFacts(platform=detect_platform(), home=wt + "/home", realpath=os.path.realpath,
+                         exists=os.path.lexists, is_dir=os.path.isdir)
+        manager = SandboxManager(probe_result=probe(), host=host)
+        try:
+            handle = manager.launch(parse_spec({"sessionId": "tty", "workspaceId": "w",
+                                                "bindMounts": [{"hostPath": wt}], "mode": "chat"}))
+            result = await run_collect(handle, ["/bin/sh", "-c", sys.argv[2]], timeout_s=20)
+            print("SANDBOX-DONE", result.stdout, result.stderr, flush=True)
+        finally:
+            await manager.aclose()
+
+    asyncio.run(main())
+""")
+
+
+async def test_review2_escape_dev_tty_opened_by_the_supervisor_is_the_server_s_terminal(
+    tmp_path: pathlib.Path,
+) -> None:
+    # Idea: /dev/tty means "the opener's controlling terminal". The task has none (bwrap
+    # --new-session: ENXIO), but an open of /dev/tty for writing (or O_RDWR, `exec 3<>/dev/tty`)
+    # is trapped and made by the supervisor, a thread of the server: it gets the SERVER's
+    # terminal (a `cc-server serve` in a shell, any library user with a tty), and hands it to
+    # the task, which can then write to it and read what the user types there (a password).
+    # The CLI daemon has no terminal, so `cc-server run` shows ENXIO; the library does not.
+    wt = tmp_path / "wt"
+    (wt / "home").mkdir(parents=True)
+    master, slave = os.openpty()
+    script = (
+        "echo SANDBOX-WROTE-TO-HOST-TTY > /dev/tty; "
+        f'exec 3<>/dev/tty && read line <&3 && echo "got=$line" > {wt}/stolen'
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", _TTY_CHILD, str(wt), script],
+        stdin=slave, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True, preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0),
+    )  # fmt: skip
+    os.close(slave)
+    seen = b""
+    deadline = time.monotonic() + 30
+    os.set_blocking(master, False)
+    while time.monotonic() < deadline and child.poll() is None:
+        with contextlib.suppress(BlockingIOError):
+            seen += os.read(master, 4096)
+        if b"SANDBOX-WROTE" in seen and not (wt / "s_typed").exists():
+            os.write(master, b"hunter2\n")  # the user types on the server's terminal
+            (wt / "s_typed").touch()
+        await asyncio.sleep(0.05)
+    if child.poll() is None:
+        os.write(master, b"\n")  # let a blocked read end
+    out = child.communicate(timeout=20)[0].decode(errors="replace")
+    os.close(master)
+    stolen = (wt / "stolen").read_text() if (wt / "stolen").exists() else None
+    # Reproduced: the marker is on the server's terminal and stolen == "got=hunter2\n".
+    assert b"SANDBOX-WROTE-TO-HOST-TTY" not in seen and stolen is None, (seen, stolen, out)
+
+
+async def test_review2_escape_a_host_worktree_pruned_on_purpose_then_made_again(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Idea: the own-worktree exemption trusts that no host pointer names a directory the
+    # sandbox makes (a stale pointer of a pruned worktree is a documented limit). The sandbox
+    # can make one: a host worktree's `gitdir` file (and its index's mtime, utimensat is not
+    # trapped) are not protected, so pointing gitdir nowhere makes the host's next
+    # `git worktree prune` (or `git gc`, with the index dated 1970) remove the directory while
+    # the worktree's .git pointer stays. Then the name is free: made again by the sandbox it
+    # is "its own", its commondir leads to a git-shaped-but-HEAD-less directory with a config
+    # (no HEAD: not protected), and the host's `git status` in the worktree runs its fsmonitor.
+    wt = sb.worktree
+    pwned = tmp_path / "PWNED"
+    _git("init", "-q", "-b", "main", str(wt / "repoA"))
+    (wt / "repoA" / "a").write_text("a\n")
+    _git("-C", str(wt / "repoA"), "add", "a")
+    _git("-C", str(wt / "repoA"), "commit", "-qm", "a")
+    _git("-C", str(wt / "repoA"), "worktree", "add", "-q", str(wt / "wt2"), "-b", "feat")
+    w = wt / "repoA" / ".git" / "worktrees" / "wt2"
+    handle = sb.launch()
+    await sb.sh(handle, (
+        f"printf '/gone/.git\\n' > {w}/gitdir; touch -d @0 {w}/index {w}/gitdir; echo step1=$?"
+    ))  # fmt: skip
+    _git("-C", str(wt / "repoA"), "gc", "-q")  # the host's routine maintenance
+    pruned = not w.exists()
+    handle2 = sb.launch()
+    result = await sb.sh(handle2, (
+        f"cd {wt} && mkdir -p s_evil/objects s_evil/refs && "
+        f"printf '[core]\\n\\trepositoryformatversion = 0\\n\\tfsmonitor = touch {pwned}\\n' "
+        f"> s_evil/config; mkdir -p {w} && echo {wt}/s_evil > {w}/commondir && "
+        f"echo 'ref: refs/heads/feat' > {w}/HEAD && echo {wt}/wt2/.git > {w}/gitdir; "
+        "echo made=$?"
+    ))  # fmt: skip
+    out = output(result)
+    subprocess.run(["git", "-C", str(wt / "wt2"), "status"], env=GIT_ENV, capture_output=True)
+    # Reproduced: pruned=True and PWNED exists (the fsmonitor ran on the host).
+    assert not pwned.exists(), f"pruned={pruned}: host git status ran the fsmonitor: {out}"
+    assert not pruned, "the sandbox made the host's git gc prune a live worktree"
+
+
+async def test_review2_regression_commit_in_a_separate_git_dir_repository(sb: Sandboxes) -> None:
+    # Ordinary work: bare_head refuses every name HEAD outside a directory named .git, so in a
+    # `git init --separate-git-dir` repository (yadm, vcsh, `git clone --separate-git-dir`)
+    # `git commit` fails (append to <gitdir>/logs/HEAD refused) and so does `git checkout -b`
+    # (the HEAD symref): EACCES, "fatal: cannot update the ref 'HEAD'".
+    wt = sb.worktree
+    (wt / "store").mkdir()
+    _git("init", "-q", "-b", "main", "--separate-git-dir", str(wt / "store" / "r.git"),
+         str(wt / "proj"))  # fmt: skip
+    (wt / "proj" / "a").write_text("a\n")
+    _git("-C", str(wt / "proj"), "add", "a")
+    _git("-C", str(wt / "proj"), "commit", "-qm", "a")
+    handle = sb.launch()
+    g = "git -c user.name=t -c user.email=t@t"
+    result = await sb.sh(handle, (
+        f"cd {wt}/proj && {g} commit -q --allow-empty -m b; echo ci=$?; "
+        f"{g} checkout -q -b feat; echo co=$?"
+    ))  # fmt: skip
+    out = output(result)
+    assert "ci=0" in out and "co=0" in out, out
+    assert handle.violations == [], _refusals(handle)
+
+
+async def test_review2_escape_a_task_s_own_landlock_domain_is_ignored_by_the_supervisor(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Idea: a program in the sandbox confines itself with Landlock (Codex's linux-sandbox does,
+    # with seccomp; any agent runner may): no file written or made anywhere. Its trapped opens
+    # (O_CREAT, O_WRONLY) are made by the supervisor, which is not in that Landlock domain, so
+    # the file is created and an existing one written, where the kernel would answer EACCES.
+    # Either the supervisor refuses a task with a Landlock domain (trap landlock_restrict_self
+    # and remember it, children included) or the filter answers landlock_create_ruleset with
+    # ENOSYS / EOPNOTSUPP so the program knows Landlock is not there and fails closed itself.
+    wt = sb.worktree
+    body = (
+        "import struct\n"
+        "attr = struct.pack('<Q', (1 << 1) | (1 << 8))\n"  # WRITE_FILE | MAKE_REG
+        "rs = libc.syscall(444, attr, len(attr), 0)\n"
+        "if rs >= 0:\n"
+        "    libc.prctl(38, 1, 0, 0, 0)\n"  # PR_SET_NO_NEW_PRIVS
+        "    if libc.syscall(446, rs, 0): fail()\n"
+        "    print('landlocked')\n"
+        "    r = {}\n"
+        "    for name, f in (('create', lambda: os.open('s_made', os.O_CREAT | os.O_WRONLY)),\n"
+        "                    ('write', lambda: os.open('README', os.O_WRONLY | os.O_APPEND))):\n"
+        "        try:\n            f(); r[name] = 'DONE'\n"
+        "        except OSError as e:\n            r[name] = e.errno\n"
+        "    print('r', sorted(r.items()))\n"
+        "else:\n"
+        "    print('no landlock in the sandbox')\n"
+    )
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert "no landlock in the sandbox" in out or "r [('create', 13), ('write', 13)]" in out, out
+    assert not (wt / "s_made").exists(), out
+
+
+async def test_review2_escape_a_task_s_own_landlock_network_rules_are_ignored_by_the_connector(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Idea: the same for Landlock's network rules (ABI 4: BIND_TCP, CONNECT_TCP, no port
+    # allowed): the connector binds and connects for the task, outside its domain, and the
+    # supervisor starts a non-blocking connect itself (EINPROGRESS, not EACCES).
+    body = (
+        "import socket, struct\n"
+        "srv = socket.socket(); srv.bind(('127.0.0.1', 0)); srv.listen()\n"
+        "port = srv.getsockname()[1]\n"
+        "attr = struct.pack('<QQQ', 0, (1 << 1) | (1 << 0), 0)\n"
+        "rs = libc.syscall(444, attr, len(attr), 0)\n"
+        "if rs >= 0:\n"
+        "    libc.prctl(38, 1, 0, 0, 0)\n"
+        "    if libc.syscall(446, rs, 0): fail()\n"
+        "    nb = socket.socket(); nb.setblocking(False)\n"
+        "    r = {}\n"
+        "    for name, f in (('connect', lambda: socket.socket().connect(('127.0.0.1', port))),\n"
+        "                    ('bind', lambda: socket.socket().bind(('127.0.0.1', 0))),\n"
+        "                    ('nonblocking', lambda: nb.connect(('127.0.0.1', port)))):\n"
+        "        try:\n            f(); r[name] = 'DONE'\n"
+        "        except OSError as e:\n            r[name] = e.errno\n"
+        "    print('r', sorted(r.items()))\n"
+        "else:\n"
+        "    print('no landlock in the sandbox')\n"
+    )
+    _handle, out = await run_attack(sb, tmp_path, body)
+    assert (
+        "no landlock in the sandbox" in out
+        or "r [('bind', 13), ('connect', 13), ('nonblocking', 13)]" in out
+    ), out

@@ -163,6 +163,10 @@ CHMOD_SYSCALLS: Final[tuple[tuple[str | int, int], ...]] = (
     ("chmod", 1), ("fchmod", 1), ("fchmodat", 2), (452, 2),
 )  # fmt: skip
 EXEC_BITS: Final = (0o100, 0o010, 0o001)
+# A task's own Landlock domain does not bind the supervisor and the connector, which act for it:
+# with the path rules Landlock is absent (ENOSYS), so a nested sandbox does not believe in rules
+# nobody enforces. landlock_create_ruleset, _add_rule and _restrict_self are 444-446 everywhere.
+LANDLOCK_SYSCALLS: Final = (444, 445, 446)
 # An open of an existing file that can change its data: for writing, or with O_TRUNC.
 WRITE_OPEN_FLAGS: Final = (os.O_WRONLY, os.O_RDWR, os.O_TRUNC)
 SECCOMP_SET_MODE_FILTER: Final = 1
@@ -196,6 +200,8 @@ def notify_filter_bpf(*, writes: bool = False) -> bytes:
             flt.add_rule(sc.NOTIFY, call)
         for call in XATTR_WRITE_SYSCALLS:
             flt.add_rule(sc.ERRNO(errno.EOPNOTSUPP), call)
+        for call in LANDLOCK_SYSCALLS:
+            flt.add_rule(sc.ERRNO(errno.ENOSYS), call)
         for call, index in CHMOD_SYSCALLS:
             for bit in EXEC_BITS:
                 flt.add_rule(sc.NOTIFY, call, sc.Arg(index, sc.MASKED_EQ, bit, bit))

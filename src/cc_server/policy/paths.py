@@ -122,6 +122,8 @@ PROTECTED_PATTERNS: Final[tuple[tuple[str, str], ...]] = (
     (".git", "a new repository or worktree pointer: its config and hooks run on the host"),
     (".git/worktrees/*/commondir", "points a linked worktree at another repository's hooks"),
     (".git/worktrees/*/config.worktree", "a linked worktree's git config: hooksPath, fsmonitor"),
+    (".git/worktrees/*/gitdir", "where a linked worktree lives: rewritten, git would prune it"),
+    (".git/worktrees/*/locked", "keeps a linked worktree from being pruned"),
     (".config/git/**", "git's XDG global config: hooksPath, pager, fsmonitor run code"),
     (".bash_aliases", "shell rc: sourced by Debian's default .bashrc"),
     (".config/autostart/**", "desktop autostart entries run at login"),

@@ -960,11 +960,50 @@ static bool carry_refused(const struct ccs *s, int dir_fd, const char *name, con
  * search. */
 #define GIT_DIR_SHAPED "a repository's git directory (HEAD, objects, refs): host git honours " \
                        "its config and hooks"
+static bool dir_or_link(int fd, const char *name) {
+    struct stat st; /* git follows a symlinked objects/ or refs/ (shared object stores) */
+    return fstatat(fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+           (S_ISDIR(st.st_mode) || S_ISLNK(st.st_mode));
+}
+
 static bool gitdir_shaped(int fd) {
     struct stat st;
     return fstatat(fd, "HEAD", &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-           fstatat(fd, "objects", &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode) &&
-           fstatat(fd, "refs", &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode);
+           dir_or_link(fd, "objects") && dir_or_link(fd, "refs");
+}
+
+/* HEAD, objects and refs of a git directory: what makes its shape. Removed or moved away (and
+ * put back after its config was written), the directory would not be judged a git directory
+ * while it was written. Replacing HEAD by a regular file (git's own HEAD.lock) keeps it. */
+#define GIT_SHAPE "HEAD, objects or refs of a git directory: without them it would not be " \
+                  "judged one while its config is written"
+static bool shape_refused(const struct ccs *s, int dir_fd, const char *name, bool replacing_by_file,
+                          const char **which) {
+    if (s->npats == 0 || !(strcmp(name, "HEAD") == 0 || strcmp(name, "objects") == 0 ||
+                           strcmp(name, "refs") == 0))
+        return false;
+    if (!gitdir_shaped(dir_fd))
+        return false;
+    if (replacing_by_file && strcmp(name, "HEAD") == 0)
+        return false;
+    judge_path(dir_fd, name);
+    *which = GIT_SHAPE;
+    return true;
+}
+
+/* Whether a directory, or one of its nearest ancestors, is a git directory (HEAD is git's
+ * there: logs/HEAD, refs/remotes/x/HEAD, a separate gitdir's own HEAD). */
+static bool in_shaped_gitdir(int dir_fd) {
+    int cur = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
+    bool found = false;
+    for (int depth = 0; cur >= 0 && depth < 6 && !found; depth++) {
+        found = gitdir_shaped(cur);
+        int parent = openat(cur, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
+        close(cur);
+        cur = parent;
+    }
+    close_fd(&cur);
+    return found;
 }
 
 static bool git_control_name(const char *name) {
@@ -996,7 +1035,8 @@ static bool gitdir_refused(const struct ccs *s, int dir_fd, const char *name, co
         *which = GIT_DIR_SHAPED;
         return true;
     }
-    if (!deep && !(strcmp(name, "commondir") == 0 || strcmp(name, "config.worktree") == 0))
+    if (!deep && !(strcmp(name, "commondir") == 0 || strcmp(name, "config.worktree") == 0 ||
+                   strcmp(name, "gitdir") == 0 || strcmp(name, "locked") == 0))
         return false;
     /* Up from the pinned directory: below hooks/ or modules/ of a git directory, or a
      * worktree's own file in <git dir>/worktrees/<name>/. */
@@ -1019,7 +1059,8 @@ static bool gitdir_refused(const struct ccs *s, int dir_fd, const char *name, co
             gitdir_shaped(parent))
             refused = true;
         if (!refused && depth == 0 &&
-            (strcmp(name, "commondir") == 0 || strcmp(name, "config.worktree") == 0)) {
+            (strcmp(name, "commondir") == 0 || strcmp(name, "config.worktree") == 0 ||
+             strcmp(name, "gitdir") == 0 || strcmp(name, "locked") == 0)) {
             char plink[64], ppath[PATH_MAX];
             snprintf(plink, sizeof plink, "/proc/self/fd/%d", parent);
             ssize_t m = readlink(plink, ppath, sizeof ppath - 1);
@@ -1069,6 +1110,8 @@ static bool path_refused(const struct ccs *s, int dir_fd, const char *name, cons
     const char *base = strrchr(judged, '/');
     if (!full_path_refused(s, judged, base ? base + 1 : judged, which))
         return gitdir_refused(s, dir_fd, name, which);
+    if (strcmp(*which, BARE_HEAD) == 0 && name[0] && in_shaped_gitdir(dir_fd))
+        return false; /* a HEAD of a git directory that already is one */
     return !(name[0] && strncmp(*which, WORKTREE_PATTERNS, strlen(WORKTREE_PATTERNS)) == 0 &&
              own_worktree((struct ccs *)s, dir_fd));
 }
@@ -1463,6 +1506,14 @@ static int is_task_root(struct req *q, int fd, bool *yes) {
  * reach than its own. The task opens them itself, without O_CREAT (which is never trapped). */
 #define DEPUTY_REFUSED "an object of procfs, sysfs or another kernel filesystem: opened with " \
                        "O_CREAT, it would be opened with more privilege than the task has"
+/* /dev/tty (5:0) opened by the supervisor would be the server's own controlling terminal: a
+ * sandboxed command has none (a new session), so it gets what the kernel would answer it. */
+static bool is_dev_tty(int fd) {
+    struct stat st;
+    return fstat(fd, &st) == 0 && S_ISCHR(st.st_mode) && major(st.st_rdev) == 5 &&
+           minor(st.st_rdev) == 0;
+}
+
 static bool kernel_object(int fd) {
     struct statfs sf;
     if (fstatfs(fd, &sf) != 0)
@@ -2113,6 +2164,11 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
         respond(s, q->n->id, 0, err);
         return true;
     }
+    if (is_dev_tty(fd)) {
+        close(fd);
+        respond(s, q->n->id, 0, ENXIO);
+        return true;
+    }
     if (kernel_object(fd)) {
         judge_path(fd, "");
         close(fd);
@@ -2131,6 +2187,8 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, flags & O_CLOEXEC);
     return true;
 }
+
+static bool object_refused(struct req *q, int obj, const char **which);
 
 static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mode) {
     struct ccs *s = q->s;
@@ -2179,7 +2237,7 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
     } else if (r.kind == RES_OBJECT) {
         if (flags & O_EXCL) {
             err = EEXIST;
-        } else if (path_refused(s, r.obj_fd, "", &glob)) {
+        } else if (object_refused(q, r.obj_fd, &glob)) {
             q->action = open_action(flags, true);
             refuse(q, path, path, glob); /* an existing protected object, through a link */
             res_close(&r);
@@ -2251,6 +2309,12 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
     if (err) {
         res_close(&r);
         respond(s, q->n->id, 0, err);
+        return;
+    }
+    if (!opath && is_dev_tty(fd)) {
+        close(fd);
+        res_close(&r);
+        respond(s, q->n->id, 0, ENXIO);
         return;
     }
     if (!opath && kernel_object(fd)) {
@@ -2503,6 +2567,7 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
         if (path_refused(s, ro.dir_fd, ro.name, &glob) ||
             ancestor_refused(s, ro.dir_fd, ro.name, &glob) ||
             worktree_dir_refused(s, ro.dir_fd, ro.name, &glob) ||
+            shape_refused(s, ro.dir_fd, ro.name, false, &glob) ||
             carry_refused(s, ro.dir_fd, ro.name, to, &glob)) {
             q->action = "file-write-rename";
             refuse(q, oldp, ro.name, glob);
@@ -2510,7 +2575,11 @@ static void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdir
             res_close(&rn);
             return;
         }
-        if (carry_refused(s, rn.dir_fd, rn.name, (flags & RENAME_EXCHANGE) ? from : NULL, &glob)) {
+        struct stat oldst;
+        bool old_is_file = fstatat(ro.dir_fd, ro.name, &oldst, AT_SYMLINK_NOFOLLOW) == 0 &&
+                           S_ISREG(oldst.st_mode) && !(flags & RENAME_EXCHANGE);
+        if (carry_refused(s, rn.dir_fd, rn.name, (flags & RENAME_EXCHANGE) ? from : NULL, &glob) ||
+            shape_refused(s, rn.dir_fd, rn.name, old_is_file, &glob)) {
             q->action = "file-write-rename";
             refuse(q, newp, rn.name, glob);
             res_close(&ro);
@@ -2575,7 +2644,8 @@ static void do_unlink(struct req *q, int dirfd, uint64_t addr, int flags) {
     }
     if (!err && (path_refused(s, r.dir_fd, r.name, &glob) ||
                  ancestor_refused(s, r.dir_fd, r.name, &glob) ||
-                 worktree_dir_refused(s, r.dir_fd, r.name, &glob))) {
+                 worktree_dir_refused(s, r.dir_fd, r.name, &glob) ||
+                 shape_refused(s, r.dir_fd, r.name, false, &glob))) {
         q->action = "file-write-unlink";
         refuse(q, path, r.name, glob);
         res_close(&r);
@@ -2600,7 +2670,8 @@ static void do_unlink(struct req *q, int dirfd, uint64_t addr, int flags) {
 static int existing_object(struct req *q, int dirfd, const char *path, bool follow,
                            bool empty_path, const char *action) {
     struct ccs *s = q->s;
-    int obj = -1, err = 0;
+    int obj = -1, err = 0, parent = -1; /* parent and pname: a name in a pinned directory */
+    char pname[NAME_MAX + 1] = "";
     if (path[0] == '\0' && empty_path) {
         err = start_dir(q, dirfd, "", false, &obj); /* the task's own fd, or its cwd */
     } else {
@@ -2618,28 +2689,85 @@ static int existing_object(struct req *q, int dirfd, const char *path, bool foll
             struct stat st;
             if (!err && r.trailing_slash && fstat(obj, &st) == 0 && !S_ISDIR(st.st_mode))
                 err = ENOTDIR;
+            if (!err) {
+                parent = fcntl(r.dir_fd, F_DUPFD_CLOEXEC, 0);
+                snprintf(pname, sizeof pname, "%s", r.name);
+            }
         }
         res_close(&r);
     }
     if (err) {
         close_fd(&obj);
+        close_fd(&parent);
         respond(s, q->n->id, 0, err);
         return -1;
     }
     const char *glob;
     q->action = action;
     if (kernel_object(obj)) {
+        close_fd(&parent);
         judge_path(obj, "");
         close(obj);
         refuse(q, path, path, DEPUTY_REFUSED);
         return -1;
     }
-    if (path_refused(s, obj, "", &glob)) {
+    bool refused = parent >= 0 ? path_refused(s, parent, pname, &glob)
+                               : object_refused(q, obj, &glob);
+    close_fd(&parent);
+    if (refused) {
         close(obj);
         refuse(q, path, path, glob);
         return -1;
     }
     return obj;
+}
+
+/* The path rules for an object the task reached with no parent pinned (its own fd, its own
+ * procfs link, a directory): the parent is found by the object's path in the task's view, from
+ * the task's root with no symlink on the way, and must still hold that very object; then the
+ * object is judged as a name in it, as any other. Anything else is refused. */
+#define PATH_MOVED "(the object is no longer where its path says)"
+static bool object_refused(struct req *q, int obj, const char **which) {
+    struct ccs *s = q->s;
+    if (!has_path_rules(s))
+        return false;
+    if (!judge_path(obj, "")) {
+        if (not_a_path(obj))
+            return false;
+        *which = PATH_UNKNOWN;
+        return true;
+    }
+    if (strcmp(judged, "/") == 0)
+        return full_path_refused(s, judged, "", which);
+    char full[PATH_MAX + NAME_MAX + 2];
+    snprintf(full, sizeof full, "%s", judged);
+    char *slash = strrchr(full, '/');
+    *slash = '\0';
+    const char *base = slash + 1, *dir = full[0] ? full + 1 : "";
+    int root;
+    if (get_root(q, &root) != 0) {
+        *which = PATH_UNKNOWN;
+        return true;
+    }
+    struct open_how how = {
+        .flags = O_PATH | O_DIRECTORY | O_CLOEXEC,
+        .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH,
+    };
+    int parent = dir[0] ? (int)syscall(SYS_openat2, root, dir, &how, sizeof how)
+                        : fcntl(root, F_DUPFD_CLOEXEC, 0);
+    close(root);
+    struct stat a, b;
+    bool same = parent >= 0 && fstatat(parent, base, &a, AT_SYMLINK_NOFOLLOW) == 0 &&
+                fstat(obj, &b) == 0 && a.st_dev == b.st_dev && a.st_ino == b.st_ino;
+    if (!same) {
+        close_fd(&parent);
+        judge_path(obj, "");
+        *which = PATH_MOVED;
+        return true;
+    }
+    bool refused = path_refused(s, parent, base, which);
+    close(parent);
+    return refused;
 }
 
 /* truncate: the file's data, like an open for writing. */
@@ -3019,6 +3147,8 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
         bool refused = false;
         if (!err)
             err = name_for_create(q, path, &r, false, &refused);
+        if (err == EEXIST)
+            err = EADDRINUSE; /* what bind(2) says of a name that exists */
         if (!err && !refused) {
             /* bind() resolves relative to the caller's cwd: ours is private (CLONE_FS). */
             struct sockaddr_un local;
