@@ -692,21 +692,29 @@ static bool path_under(const char *path, const char *root) {
     return strncmp(path, root, n) == 0 && (path[n] == '\0' || path[n] == '/');
 }
 
+/* The path of an open file in the task's view (its /proc/self/fd link), in `buf`: false when it
+ * is not a path there (a pipe, a socket), too long, or gone (" (deleted)"). */
+static bool fd_path(int fd, char *buf, size_t size) {
+    char link[64];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, buf, size - 1);
+    if (n <= 0 || (size_t)n >= size - 1 || buf[0] != '/' ||
+        (n > 10 && memcmp(buf + n - 10, " (deleted)", 10) == 0)) {
+        buf[0] = '\0';
+        return false;
+    }
+    buf[n] = '\0';
+    return true;
+}
+
 /* Whether the pinned directory `dir_fd` is at or below an exempt root (a runner's own state
  * directory, a mount of its own in the task's view): the create-time globs do not apply there,
  * so Claude Code's own session keys (sessions/N.HASH.key) are made. A name there cannot reach a
  * writable bind by a rename or a link (another mount: EXDEV); a copy creates its names where the
  * globs apply. A directory whose path cannot be read is not exempt. */
 static bool dir_exempt(const struct ccs *s, int dir_fd) {
-    if (s->nexempts == 0)
-        return false;
-    char link[64], full[PATH_MAX + 1];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", dir_fd);
-    ssize_t n = readlink(link, full, PATH_MAX);
-    if (n <= 0 || n >= PATH_MAX || full[0] != '/')
-        return false;
-    full[n] = '\0';
-    if (n > 10 && strcmp(full + n - 10, " (deleted)") == 0)
+    char full[PATH_MAX];
+    if (s->nexempts == 0 || !fd_path(dir_fd, full, sizeof full))
         return false;
     for (int i = 0; i < s->nexempts; i++)
         if (path_under(full, s->exempts[i]))
@@ -841,15 +849,9 @@ static __thread char judged[PATH_MAX + NAME_MAX + 2];
  * an absolute path in the task's view: the fd's link, never the string the task passed. Kept in
  * `judged`. False when the path cannot be read (gone, or not in the task's view). */
 static bool judge_path(int dir_fd, const char *name) {
-    char link[64];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", dir_fd);
-    ssize_t n = readlink(link, judged, PATH_MAX);
-    if (n <= 0 || n >= PATH_MAX || judged[0] != '/' ||
-        (n > 10 && memcmp(judged + n - 10, " (deleted)", 10) == 0)) {
-        judged[0] = '\0';
+    if (!fd_path(dir_fd, judged, PATH_MAX))
         return false;
-    }
-    judged[n] = '\0';
+    size_t n = strlen(judged);
     if (name[0]) {
         if (n > 1)
             judged[n++] = '/';
@@ -875,15 +877,21 @@ static bool own_worktree(struct ccs *s, int dir_fd) {
     return own;
 }
 
+/* Whether `dir_fd` is a repository's `.git/worktrees` (the path rules on). */
+static bool is_worktrees_dir(const struct ccs *s, int dir_fd) {
+    static const char suffix[] = "/.git/worktrees";
+    if (s->npats == 0 || !judge_path(dir_fd, ""))
+        return false;
+    size_t n = strlen(judged), k = sizeof suffix - 1;
+    return n >= k && strcmp(judged + n - k, suffix) == 0;
+}
+
 /* Whether `name` in `dir_fd` is a linked worktree's directory this sandbox did not make: it may
  * not be removed or moved away (its name could then be made again, as the sandbox's own, with
  * another commondir, which the host's pointer to that name would follow). */
 #define WORKTREE_DIR "a linked worktree's directory: a pointer on the host names it"
 static bool worktree_dir_refused(struct ccs *s, int dir_fd, const char *name, const char **which) {
-    if (s->npats == 0 || !judge_path(dir_fd, ""))
-        return false;
-    size_t n = strlen(judged), k = strlen("/.git/worktrees");
-    if (n < k || strcmp(judged + n - k, "/.git/worktrees") != 0)
+    if (!is_worktrees_dir(s, dir_fd))
         return false;
     int fd = openat(dir_fd, name, O_PATH | O_NOFOLLOW | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0)
@@ -899,10 +907,7 @@ static bool worktree_dir_refused(struct ccs *s, int dir_fd, const char *name, co
 
 /* After a mkdir: a new directory directly in a repository's .git/worktrees is this sandbox's. */
 static void note_worktree_dir(struct ccs *s, int dir_fd, const char *name) {
-    if (s->npats == 0 || !judge_path(dir_fd, "")) /* judged: the parent */
-        return;
-    size_t n = strlen(judged), k = strlen("/.git/worktrees");
-    if (n < k || strcmp(judged + n - k, "/.git/worktrees") != 0)
+    if (!is_worktrees_dir(s, dir_fd))
         return;
     struct stat st;
     if (fstatat(dir_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 || !S_ISDIR(st.st_mode))
@@ -1043,13 +1048,8 @@ static bool gitdir_refused(const struct ccs *s, int dir_fd, const char *name, co
     bool refused = false;
     int cur = fcntl(dir_fd, F_DUPFD_CLOEXEC, 0);
     for (int depth = 0; cur >= 0 && depth < 16 && !refused; depth++) {
-        char link[64], path[PATH_MAX];
-        snprintf(link, sizeof link, "/proc/self/fd/%d", cur);
-        ssize_t n = readlink(link, path, sizeof path - 1);
-        if (n <= 1)
-            break;
-        path[n] = '\0';
-        if (rel_below_root(s, path) == NULL)
+        char path[PATH_MAX];
+        if (!fd_path(cur, path, sizeof path) || rel_below_root(s, path) == NULL)
             break; /* at (or above) the writable root: nothing further up is judged */
         const char *cur_name = strrchr(path, '/') + 1;
         int parent = openat(cur, "..", O_PATH | O_DIRECTORY | O_CLOEXEC);
@@ -1061,12 +1061,9 @@ static bool gitdir_refused(const struct ccs *s, int dir_fd, const char *name, co
         if (!refused && depth == 0 &&
             (strcmp(name, "commondir") == 0 || strcmp(name, "config.worktree") == 0 ||
              strcmp(name, "gitdir") == 0 || strcmp(name, "locked") == 0)) {
-            char plink[64], ppath[PATH_MAX];
-            snprintf(plink, sizeof plink, "/proc/self/fd/%d", parent);
-            ssize_t m = readlink(plink, ppath, sizeof ppath - 1);
-            int grand = m > 0 ? openat(parent, "..", O_PATH | O_DIRECTORY | O_CLOEXEC) : -1;
-            if (m > 0)
-                ppath[m] = '\0';
+            char ppath[PATH_MAX];
+            bool known = fd_path(parent, ppath, sizeof ppath);
+            int grand = known ? openat(parent, "..", O_PATH | O_DIRECTORY | O_CLOEXEC) : -1;
             if (grand >= 0 && strcmp(strrchr(ppath, '/') + 1, "worktrees") == 0 &&
                 gitdir_shaped(grand) && !own_worktree((struct ccs *)s, cur))
                 refused = true;
@@ -1539,12 +1536,9 @@ static bool kernel_object(int fd) {
 /* Whether the procfs directory `fd` (where a magic link is met) is the task's own process's:
  * /proc/<its pid>/..., in its view. */
 static bool own_proc_dir(struct req *q, int fd) {
-    char link[64], path[PATH_MAX];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, path, sizeof path - 1);
-    if (n <= 6 || strncmp(path, "/proc/", 6) != 0 || q->ti.ns_tgid <= 0)
+    char path[PATH_MAX];
+    if (!fd_path(fd, path, sizeof path) || strncmp(path, "/proc/", 6) != 0 || q->ti.ns_tgid <= 0)
         return false;
-    path[n] = '\0';
     char *end;
     long pid = strtol(path + 6, &end, 10);
     return end != path + 6 && (*end == '/' || *end == '\0') && pid == q->ti.ns_tgid;
@@ -2879,6 +2873,21 @@ static bool socket_call(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t a
     return true;
 }
 
+/* The path of an AF_UNIX pathname address (not abstract, not unnamed) of an AF_UNIX socket, in
+ * `path` (at least sizeof(struct sockaddr_un) + 1 bytes); false for any other address. */
+static bool unix_path(int domain, const struct sockaddr_storage *addr, uint64_t addrlen,
+                      char *path) {
+    const struct sockaddr_un *un = (const struct sockaddr_un *)addr;
+    size_t off = offsetof(struct sockaddr_un, sun_path);
+    if (domain != AF_UNIX || addr->ss_family != AF_UNIX || addrlen <= off ||
+        un->sun_path[0] == '\0')
+        return false;
+    size_t len = strnlen(un->sun_path, (size_t)addrlen - off);
+    memcpy(path, un->sun_path, len);
+    path[len] = '\0';
+    return true;
+}
+
 /* --- connect: no host listener ------------------------------------------------------------ */
 
 /* The request and reply of launcher.c's connector. */
@@ -3068,14 +3077,8 @@ static void do_connect(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t ad
     int sock, domain, err;
     if (!socket_call(q, sockfd, addr_ptr, addrlen, &addr, &sock, &domain))
         return;
-    struct sockaddr_un *un = (struct sockaddr_un *)&addr;
-    size_t path_off = offsetof(struct sockaddr_un, sun_path);
-    if (domain == AF_UNIX && addr.ss_family == AF_UNIX && addrlen > path_off &&
-        un->sun_path[0] != '\0') {
-        char path[sizeof un->sun_path + 1];
-        size_t plen = strnlen(un->sun_path, (size_t)addrlen - path_off);
-        memcpy(path, un->sun_path, plen);
-        path[plen] = '\0';
+    char path[sizeof(struct sockaddr_un) + 1];
+    if (unix_path(domain, &addr, addrlen, path)) {
         struct resolved r;
         int obj = -1;
         err = resolve(q, AT_FDCWD, path, true, &r);
@@ -3132,15 +3135,10 @@ static void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrl
     int sock, domain, err;
     if (!socket_call(q, sockfd, addr_ptr, addrlen, &addr, &sock, &domain))
         return;
-    struct sockaddr_un *un = (struct sockaddr_un *)&addr;
+    char path[sizeof(struct sockaddr_un) + 1];
     size_t path_off = offsetof(struct sockaddr_un, sun_path);
-    if (domain == AF_UNIX && addr.ss_family == AF_UNIX && addrlen > path_off &&
-        un->sun_path[0] != '\0') {
+    if (unix_path(domain, &addr, addrlen, path)) {
         /* A pathname socket: a new name in the filesystem. */
-        char path[sizeof un->sun_path + 1];
-        size_t plen = strnlen(un->sun_path, (size_t)addrlen - path_off);
-        memcpy(path, un->sun_path, plen);
-        path[plen] = '\0';
         set_umask(q->ti.umask);
         struct resolved r;
         err = resolve(q, AT_FDCWD, path, false, &r);
