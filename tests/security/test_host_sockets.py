@@ -16,66 +16,20 @@ allowed path lets exactly its listener through; TCP is left alone) and
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import pathlib
 import shlex
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
 from other_user import OtherUser, remove
+from write_kit import host_listener
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
 
-class HostListener:
-    """A host process's listening Unix socket; `contacts` counts whoever reached it."""
-
-    def __init__(self, path: pathlib.Path, kind: int = socket.SOCK_STREAM) -> None:
-        self.path = path
-        self.kind = kind
-        self.contacts = 0
-        self.sock = socket.socket(socket.AF_UNIX, kind)
-        self.sock.bind(str(path))
-        path.chmod(0o777)
-        if kind != socket.SOCK_DGRAM:
-            self.sock.listen(8)
-        self.sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self.kind == socket.SOCK_DGRAM:
-                    self.sock.recv(100)
-                else:
-                    conn, _ = self.sock.accept()
-                    conn.close()
-                self.contacts += 1
-            except (TimeoutError, OSError):
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close()
-
-
-@contextlib.contextmanager
-def host_listener(path: pathlib.Path, kind: int = socket.SOCK_STREAM) -> Iterator[HostListener]:
-    listener = HostListener(path, kind)
-    try:
-        yield listener
-    finally:
-        listener.close()
-
-
-# name -> the Python body (in the worktree; `host.sock` is the host's listener)
 SPELLINGS: dict[str, str] = {
     "absolute": "c = socket.socket(socket.AF_UNIX); c.connect(os.getcwd() + '/host.sock')",
     "relative": "c = socket.socket(socket.AF_UNIX); c.connect('host.sock')",

@@ -22,6 +22,7 @@ import subprocess
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
+from write_kit import git_repo, wheel
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -93,15 +94,11 @@ ATTACKS: dict[str, tuple[str, str, str]] = {
 }  # fmt: skip
 
 
-def _repo(path: pathlib.Path) -> None:
-    subprocess.run(["git", "init", "-q", str(path)], check=True, env={"PATH": "/usr/bin:/bin"})
-
-
 def _plant(wt: pathlib.Path) -> None:
-    _repo(wt / "repoA")
+    git_repo(wt / "repoA")
     (wt / HOOK).write_text("#!/bin/sh\nexit 0\n")
     (wt / HOOK).chmod(0o644)
-    _repo(wt / "repoB")
+    git_repo(wt / "repoB")
     for p in (wt / "repoB" / ".git" / "hooks").iterdir():
         p.unlink()
     (wt / "linked").mkdir()
@@ -231,7 +228,7 @@ async def test_git_worktree_add_to_the_sandboxs_tmp_works_and_a_hosts_worktree_s
     # repository: allowed in a directory the sandbox made itself (no pointer on the host names
     # it); the commondir of a worktree the host made stays protected.
     wt = sb.worktree
-    _repo(wt)
+    git_repo(wt)
     (wt / "f").write_text("v1\n")
     git_env = {"PATH": "/usr/bin:/bin", "GIT_CONFIG_GLOBAL": "/dev/null", **GIT_IDENTITY}
     subprocess.run(f"cd {wt} && git add f && git commit -qm init && git worktree add -q "
@@ -271,7 +268,7 @@ async def test_a_hosts_worktree_directory_cannot_be_moved_away_and_made_again(
     # Moved away (or emptied and removed), its name could be made again as the sandbox's own,
     # with a commondir of its choosing, which the host's pointer to that name would follow.
     wt = sb.worktree
-    _repo(wt)
+    git_repo(wt)
     (wt / "f").write_text("v1\n")
     git_env = {"PATH": "/usr/bin:/bin", "GIT_CONFIG_GLOBAL": "/dev/null", **GIT_IDENTITY}
     subprocess.run(f"cd {wt} && git add f && git commit -qm init && git worktree add -q "
@@ -291,35 +288,15 @@ async def test_a_hosts_worktree_directory_cannot_be_moved_away_and_made_again(
     assert [v for v in handle.violations if v.action.startswith("file-write-")], out
 
 
-def _wheel(path: pathlib.Path) -> pathlib.Path:
-    """A one-module wheel, made by hand (a zip with its metadata), for an offline pip."""
-    import zipfile
-
-    whl = path / "ccsdemo-0.1-py3-none-any.whl"
-    files = {
-        "ccsdemo.py": "VALUE = 42\n",
-        "ccsdemo-0.1.dist-info/METADATA": "Metadata-Version: 2.1\nName: ccsdemo\nVersion: 0.1\n",
-        "ccsdemo-0.1.dist-info/WHEEL": (
-            "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
-        ),
-    }
-    record = "".join(f"{name},,\n" for name in files) + "ccsdemo-0.1.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(whl, "w") as z:
-        for name, text in files.items():
-            z.writestr(name, text)
-        z.writestr("ccsdemo-0.1.dist-info/RECORD", record)
-    return whl
-
-
 async def test_package_installs_work_in_a_repository(sb: Sandboxes, tmp_path: pathlib.Path) -> None:
     # Ordinary work the protection must not break: a venv with pip installing into it, npm
     # installing into node_modules, both inside a repository in the worktree (offline: a local
     # wheel and a packed local package).
     wt = sb.worktree
-    _repo(wt)
+    git_repo(wt)
     kit = tmp_path / "kit"
     (kit / "pkg").mkdir(parents=True)
-    whl = _wheel(kit)
+    whl = wheel(kit, "ccsdemo", "0.1", {"ccsdemo.py": "VALUE = 42\n"})
     (kit / "pkg" / "package.json").write_text('{"name": "ccs-demo", "version": "1.0.0"}\n')
     (kit / "pkg" / "index.js").write_text("module.exports = 42;\n")
     subprocess.run(["npm", "pack", "--silent", "--pack-destination", str(kit)], cwd=kit / "pkg",

@@ -21,20 +21,17 @@ attacks keeps working.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import pathlib
 import socket
 import stat
 import subprocess
-import threading
 from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
 from other_user import OtherUser, remove
-
-from cc_server.runtime.handle import SandboxHandle
+from write_kit import git_repo, host_listener, refusals, tree_state
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -43,16 +40,12 @@ HOOK = "repoA/.git/hooks/pre-push"  # exists, not executable: making it executab
 NEW_HOOK = "repoA/.git/hooks/pre-commit"
 
 
-def _repo(path: pathlib.Path) -> None:
-    subprocess.run(["git", "init", "-q", str(path)], check=True, env={"PATH": "/usr/bin:/bin"})
-
-
 def _plant(wt: pathlib.Path) -> None:
     """Protected files and directories at depth in the worktree; scratch names start `s_`."""
-    _repo(wt / "repoA")
+    git_repo(wt / "repoA")
     (wt / HOOK).write_text("#!/bin/sh\nexit 0\n")
     (wt / HOOK).chmod(0o644)
-    _repo(wt / "repoB")
+    git_repo(wt / "repoB")
     for p in (wt / "repoB" / ".git" / "hooks").iterdir():
         p.unlink()
     (wt / "linked").mkdir()
@@ -62,30 +55,6 @@ def _plant(wt: pathlib.Path) -> None:
     (wt / "sub" / ".claude").mkdir()
     (wt / "sub" / ".claude" / "settings.json").write_text("{}\n")
     (wt / "sub" / ".mcp.json").write_text("{}\n")
-
-
-def _state(wt: pathlib.Path) -> dict[str, tuple[int, bytes]]:
-    """Every name in the worktree but the scratch ones: its mode and content (or link)."""
-    out: dict[str, tuple[int, bytes]] = {}
-    for dirpath, dirnames, filenames in os.walk(wt):
-        rel_dir = pathlib.Path(dirpath).relative_to(wt)
-        if rel_dir == pathlib.Path("."):
-            dirnames[:] = [d for d in dirnames if not d.startswith("s_")]
-            filenames = [f for f in filenames if not f.startswith("s_")]
-        for name in [*dirnames, *filenames]:
-            p = pathlib.Path(dirpath) / name
-            st = p.lstat()
-            data = (
-                p.read_bytes() if stat.S_ISREG(st.st_mode)
-                else os.readlink(p).encode() if stat.S_ISLNK(st.st_mode)
-                else b""
-            )  # fmt: skip
-            out[str(rel_dir / name)] = (st.st_mode, data)
-    return out
-
-
-def _refusals(handle: SandboxHandle) -> list[tuple[str, str]]:
-    return [(v.action, v.target) for v in handle.violations]
 
 
 # --- refused by the supervisor: exactly one violation, its verb and the resolved target ---------
@@ -245,18 +214,18 @@ async def test_the_supervisor_refuses_and_reports_once(
     wt = sb.worktree
     _plant(wt)
     body, action, rel = SUPERVISED[name]
-    before = _state(wt)
+    before = tree_state(wt)
     handle, out = await run_attack(sb, tmp_path, body)
     assert "RESULT=refused [Errno 13]" in out, out
-    assert _state(wt) == before, out
+    assert tree_state(wt) == before, out
     assert not (wt / NEW_HOOK).exists() and not (wt / "s_alias").exists(), out
-    refusals = _refusals(handle)
+    got = refusals(handle)
     if name.startswith("proc-"):
         # Through another process's procfs link: refused at the link itself (the supervisor
         # follows only the task's own), one violation naming the link.
-        assert len(refusals) == 1 and refusals[0][1].startswith("/proc/"), (refusals, out)
+        assert len(got) == 1 and got[0][1].startswith("/proc/"), (got, out)
     else:
-        assert refusals == [(action, f"{wt}/{rel}")], (refusals, out)
+        assert got == [(action, f"{wt}/{rel}")], (got, out)
 
 
 # --- refused before the supervisor: the kernel or the filter -------------------------------------
@@ -357,10 +326,10 @@ async def test_the_kernel_or_the_filter_refuses(
 ) -> None:
     wt = sb.worktree
     _plant(wt)
-    before = _state(wt)
+    before = tree_state(wt)
     handle, out = await run_attack(sb, tmp_path, UNSUPERVISED[name])
     assert "RESULT=refused" in out, out
-    assert _state(wt) == before, out
+    assert tree_state(wt) == before, out
     assert not (wt / NEW_HOOK).exists(), out
     assert not [v for v in handle.violations if v.action.startswith("file-")], out
 
@@ -394,7 +363,7 @@ async def test_the_connector_s_memory_is_not_opened_for_a_task(
     handle, out = await run_attack(sb, tmp_path, body)
     assert "RESULT=refused [Errno 13]" in out, out
     conn = next(line.split()[1] for line in out.splitlines() if line.startswith("conn "))
-    assert _refusals(handle) == [("file-write-data", f"/proc/{conn}/mem")], out
+    assert refusals(handle) == [("file-write-data", f"/proc/{conn}/mem")], out
 
 
 # --- beyond PATH_MAX ----------------------------------------------------------------------------
@@ -432,8 +401,8 @@ async def test_a_git_beyond_path_max_is_refused(sb: Sandboxes, tmp_path: pathlib
     assert "MADE" not in out, out
     # The ordinary mkdir past PATH_MAX is refused too (fail closed), each refusal reported once.
     assert "mkdir refused 13" in out and "rename refused 13" in out, out
-    refusals = _refusals(handle)
-    assert [a for a, _ in refusals] == ["file-write-create"] * 2 + ["file-write-rename"], out
+    got = refusals(handle)
+    assert [a for a, _ in got] == ["file-write-create"] * 2 + ["file-write-rename"], out
     found = subprocess.run(
         ["find", str(wt / "s_deep"), "-name", ".git"], capture_output=True, text=True
     )
@@ -475,7 +444,7 @@ async def test_a_symlink_swapped_under_a_create_never_lands_in_hooks(
     assert not (wt / NEW_HOOK).exists(), out
     refused = int(out.split("refused ")[1].split()[0])
     assert refused > 0 and (wt / "s_plain" / "pre-commit").exists(), out  # both sides were hit
-    assert _refusals(handle) == [("file-write-create", f"{wt}/{NEW_HOOK}")] * refused, out
+    assert refusals(handle) == [("file-write-create", f"{wt}/{NEW_HOOK}")] * refused, out
 
 
 async def test_refusals_from_many_processes_at_once_are_each_reported_once(
@@ -507,53 +476,9 @@ async def test_refusals_from_many_processes_at_once_are_each_reported_once(
     assert "codes [0, 0, 0, 0]" in out and "RESULT=done" in out, out
     assert not (wt / NEW_HOOK).exists(), out
     assert len(list((wt / "s_out").iterdir())) == 240, out
-    assert _refusals(handle) == [("file-write-create", f"{wt}/{NEW_HOOK}")] * 240, out
+    assert refusals(handle) == [("file-write-create", f"{wt}/{NEW_HOOK}")] * 240, out
 
 
-class HostListener:
-    """A host process's listening Unix socket; `contacts` counts whoever reached it."""
-
-    def __init__(self, path: pathlib.Path, kind: int = socket.SOCK_STREAM) -> None:
-        self.kind = kind
-        self.contacts = 0
-        self.sock = socket.socket(socket.AF_UNIX, kind)
-        self.sock.bind(str(path))
-        path.chmod(0o777)
-        if kind != socket.SOCK_DGRAM:
-            self.sock.listen(64)
-        self.sock.settimeout(0.2)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self.kind == socket.SOCK_DGRAM:
-                    self.sock.recv(100)
-                else:
-                    conn, _ = self.sock.accept()
-                    conn.close()
-                self.contacts += 1
-            except (TimeoutError, OSError):
-                continue
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.sock.close()
-
-
-@contextlib.contextmanager
-def host_listener(path: pathlib.Path, kind: int = socket.SOCK_STREAM) -> Iterator[HostListener]:
-    listener = HostListener(path, kind)
-    try:
-        yield listener
-    finally:
-        listener.close()
-
-
-# The sandbox's own listener at s_in.sock, accepted by a thread, for the races below.
 OWN_LISTENER = (
     "import socket, threading, ctypes\n"
     "own = socket.socket(socket.AF_UNIX); own.bind('s_in.sock'); own.listen(512)\n"
@@ -599,7 +524,7 @@ async def test_a_sockaddr_rewritten_during_connect_never_reaches_a_host_listener
     assert "RESULT=done" in out, out
     assert host.contacts == 0, out
     refused = int(out.split("refused ")[1].split()[0])
-    assert _refusals(handle) == [("network-outbound", f"{wt}/host.sock")] * refused, out
+    assert refusals(handle) == [("network-outbound", f"{wt}/host.sock")] * refused, out
 
 
 async def test_a_socket_fd_swapped_during_connect_never_reaches_a_host_listener(
@@ -646,7 +571,7 @@ async def test_a_host_socket_hard_linked_before_the_launch_stays_out(
         handle, out = await run_attack(sb, tmp_path, body)
     assert "RESULT=refused [Errno 13]" in out, out
     assert host.contacts == 0, out
-    assert _refusals(handle) == [("network-outbound", f"{wt}/s_alias.sock")], out
+    assert refusals(handle) == [("network-outbound", f"{wt}/s_alias.sock")], out
 
 
 # Other spellings of a host socket's path (the existing suite has the plain ones).
@@ -696,9 +621,9 @@ async def test_another_spelling_of_a_host_socket_stays_out(
         handle, out = await run_attack(sb, tmp_path, "import socket\n" + CONNECT_SPELLINGS[name])
     assert "RESULT=refused [Errno 13]" in out, out
     assert host.contacts == 0, out
-    refusals = _refusals(handle)
-    by_link = len(refusals) == 1 and refusals[0][1].startswith("/proc/")  # another's procfs link
-    assert by_link or refusals == [("network-outbound", f"{wt}/host.sock")], (refusals, out)
+    got = refusals(handle)
+    by_link = len(got) == 1 and got[0][1].startswith("/proc/")  # another's procfs link
+    assert by_link or got == [("network-outbound", f"{wt}/host.sock")], (got, out)
 
 
 async def test_host_listeners_by_other_names_stay_out(
@@ -750,7 +675,7 @@ async def test_host_listeners_by_other_names_stay_out(
     finally:
         abstract.close()
         tcp.close()
-    assert _refusals(handle) == [("network-outbound", f"{ro}/host.sock"),
+    assert refusals(handle) == [("network-outbound", f"{ro}/host.sock"),
                                  ("network-outbound", f"{wt}/host.sock")], out  # fmt: skip
 
 
@@ -789,7 +714,7 @@ async def test_a_stopped_connector_holds_connects_and_lets_none_out(
     assert "stopped-host (0, 'errno 13')" in out, out
     assert "resumed-own (0, 'CONNECTED')" in out, out
     assert host.contacts == 0, out
-    assert _refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
+    assert refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
 
 
 # --- protectedPaths spelled through a link that does not exist yet -------------------------------
@@ -826,17 +751,17 @@ async def test_a_protected_spelling_cannot_be_made_to_lead_elsewhere(
     (wt / "g" / "h" / "L").symlink_to("../../real")
     (wt / "elsewhere").mkdir()
     script, action, rel = PROTECTED_SPELLINGS[name]
-    before = _state(wt)
+    before = tree_state(wt)
     handle = sb.launch(protectedPaths=[str(wt / "M" / "settings.json"),
                                        str(wt / "g" / "h" / "L" / "settings.json")])  # fmt: skip
     result = await sb.sh(handle, f"cd {wt} && {{ {script}; }}; echo rc=$?")
     out = output(result)
     assert "rc=0" not in out, out
-    after = _state(wt)
+    after = tree_state(wt)
     if name == "mkdir-then-write":
         assert after.pop("M")[1] == b"", out  # the directory itself is allowed
     assert after == before, out
-    assert _refusals(handle) == [(action, f"{wt}/{rel}")], (_refusals(handle), out)
+    assert refusals(handle) == [(action, f"{wt}/{rel}")], (refusals(handle), out)
 
 
 # --- the control: ordinary work that looks like the attacks --------------------------------------
@@ -885,7 +810,7 @@ async def test_through_the_server_the_review_s_attacks_are_refused(tmp_path: pat
     work = tmp_path / "wt"
     work.mkdir()
     _plant(work)
-    before = _state(work)
+    before = tree_state(work)
     script = (
         f"cd {work}; "
         "python3 -c \"import os; fd = os.open('repoA/.git/hooks/pre-push', os.O_PATH); "
@@ -913,7 +838,7 @@ async def test_through_the_server_the_review_s_attacks_are_refused(tmp_path: pat
         ("file-write-data", "/proc/1/root"),  # another process's link: refused there
         ("file-write-unlink", f"{work}/sub/.vscode"),
     ]), result  # fmt: skip
-    assert _state(work) == before
+    assert tree_state(work) == before
     assert (work / "s_fine").read_text() == "ok\n"
 
 
@@ -932,7 +857,7 @@ def test_as_an_unprivileged_user_the_review_s_attacks_are_refused(
 ) -> None:
     _plant(user_dir)
     subprocess.run(["chown", "-R", f"{other_user.uid}:{other_user.gid}", str(user_dir)], check=True)
-    before = _state(user_dir)
+    before = tree_state(user_dir)
     script = (
         "python3 -c \"import os; fd = os.open('repoA/.git/hooks/pre-push', os.O_PATH); "
         "os.chmod(f'/proc/self/fd/{fd}', 0o755)\" 2>/dev/null; echo chmod=$?; "
@@ -951,7 +876,7 @@ def test_as_an_unprivileged_user_the_review_s_attacks_are_refused(
     assert done.stdout.splitlines() == ["chmod=1", "link=1", "truncate=1", "rmdir=1", "fine=0"], (
         done.stdout, done.stderr,
     )  # fmt: skip
-    assert _state(user_dir) == before, done.stderr
+    assert tree_state(user_dir) == before, done.stderr
     assert not (user_dir / "s_alias").exists()
     for verb in ("file-write-mode", "file-write-create", "file-write-data", "file-write-unlink"):
         assert verb in done.stderr, done.stderr
@@ -1031,13 +956,13 @@ async def test_review_escape(sb: Sandboxes, tmp_path: pathlib.Path, name: str) -
     wt = sb.worktree
     _plant(wt)
     body, _action, _rel = FIXED_ESCAPES[name]  # the verb and target a fix would naturally report
-    before = _state(wt)
+    before = tree_state(wt)
     handle, out = await run_attack(sb, tmp_path, body)
     # EACCES (a refusal, one violation), or EOPNOTSUPP for the ACL (xattr writes are refused
     # outright under the write policy, as by a filesystem without them).
     acl = name.startswith("acl-")
     assert f"RESULT=refused [Errno {95 if acl else 13}]" in out, out
-    after = _state(wt)
+    after = tree_state(wt)
     # What existed is unchanged; what the attack made on its way (the directories it staged
     # before the refused step) carries no protected path: no config, hooks or commondir.
     assert {k: v for k, v in after.items() if k in before} == before, out
@@ -1045,11 +970,11 @@ async def test_review_escape(sb: Sandboxes, tmp_path: pathlib.Path, name: str) -
     planted = {k for k in after.keys() - before.keys() if pathlib.Path(k).name in host_run}
     assert not {k for k in planted if not k.startswith("repoA/.git/x/")}, (planted, out)
     assert not (wt / "s_bare" / "HEAD").exists(), out
-    refusals = _refusals(handle)
+    got = refusals(handle)
     if acl:
-        assert refusals == [], (refusals, out)
+        assert got == [], (got, out)
     else:
-        assert len(refusals) == 1 and refusals[0][0].startswith("file-write-"), (refusals, out)
+        assert len(got) == 1 and got[0][0].startswith("file-write-"), (got, out)
 
 
 async def test_review_escape_protected_dir_renamed_away(
@@ -1061,11 +986,11 @@ async def test_review_escape_protected_dir_renamed_away(
     _plant(wt)
     (wt / "sub" / ".config" / "git").mkdir(parents=True)
     (wt / "sub" / ".config" / "git" / "config").write_text("[user]\n")
-    before = _state(wt)
+    before = tree_state(wt)
     body = "os.rename('sub/.config', 's_old')"
     _handle, out = await run_attack(sb, tmp_path, body)
     assert "RESULT=refused [Errno 13]" in out, out
-    assert _state(wt) == before, out
+    assert tree_state(wt) == before, out
 
 
 async def test_review_escape_supervisor_opens_a_non_dumpable_process_s_fds(
@@ -1102,7 +1027,7 @@ async def test_review_gap_a_file_where_a_protected_spelling_needs_a_directory(
     result = await sb.sh(handle, f"cd {wt} && {{ echo x > M; }}; echo rc=$?")
     out = output(result)
     assert "rc=0" not in out and not (wt / "M").exists(), out
-    assert _refusals(handle) == [("file-write-create", f"{wt}/M")], out
+    assert refusals(handle) == [("file-write-create", f"{wt}/M")], out
 
 
 async def test_review_gap_a_bind_whose_root_is_a_git_directory(
@@ -1112,7 +1037,7 @@ async def test_review_gap_a_bind_whose_root_is_a_git_directory(
     # linked worktree): the patterns are matched below the bind root, so `config` and
     # `hooks/pre-commit` there are ordinary names.
     other = tmp_path / "other"
-    _repo(other)
+    git_repo(other)
     gitdir = other / ".git"
     before = (gitdir / "config").read_bytes()
     handle = sb.launch(bindMounts=[{"hostPath": str(sb.worktree)}, {"hostPath": str(gitdir)}])
@@ -1136,7 +1061,7 @@ async def test_review_gap_mkdir_p_through_an_existing_git_is_reported(sb: Sandbo
     result = await sb.sh(handle, f"cd {wt} && mkdir -p repoA/.git/info/x && echo rc=$?")
     out = output(result)
     assert "rc=0" in out, out
-    assert handle.violations == [], _refusals(handle)
+    assert handle.violations == [], refusals(handle)
 
 
 async def test_review_escape_netlink_groups_through_the_supervisor(
@@ -1172,7 +1097,7 @@ async def test_review_escape_netlink_groups_through_the_supervisor(
 
 def _linked_worktree(wt: pathlib.Path) -> pathlib.Path:
     """A host linked worktree wt/wt2 of repoA (its pointer names .git/worktrees/w)."""
-    _repo(wt / "repoA")
+    git_repo(wt / "repoA")
     w = wt / "repoA" / ".git" / "worktrees" / "w"
     w.mkdir(parents=True)
     (w / "commondir").write_text("../..\n")
@@ -1206,7 +1131,7 @@ async def test_review_escape_own_worktree_inode_reused_by_the_host(sb: Sandboxes
     # dispatch of another conversation) that reuses one of those inode numbers counts as the
     # sandbox's own, and its commondir is written.
     wt = sb.worktree
-    _repo(wt / "repoA")
+    git_repo(wt / "repoA")
     wts = wt / "repoA" / ".git" / "worktrees"
     wts.mkdir()
     handle = sb.launch()
@@ -1255,7 +1180,7 @@ async def test_review_escape_a_gitdir_not_named_dot_git(sb: Sandboxes) -> None:
         check=True,
     )
     subprocess.run(["git", "init", "-q", "--bare", str(wt / "bare.git")], check=True)
-    before = _state(wt)
+    before = tree_state(wt)
     handle = sb.launch()
     result = await sb.sh(handle, (
         f"cd {wt}; echo '[core] fsmonitor = evil' >> store/r.git/config; echo cfg=$?; "
@@ -1265,4 +1190,4 @@ async def test_review_escape_a_gitdir_not_named_dot_git(sb: Sandboxes) -> None:
     ))  # fmt: skip
     out = output(result)
     assert [line for line in out.splitlines() if line.endswith("=0")] == [], out
-    assert _state(wt) == before, out
+    assert tree_state(wt) == before, out

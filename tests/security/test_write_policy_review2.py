@@ -12,7 +12,6 @@ import fcntl
 import os
 import pathlib
 import socket
-import stat
 import subprocess
 import sys
 import termios
@@ -21,8 +20,7 @@ import time
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
-
-from cc_server.runtime.handle import SandboxHandle
+from write_kit import refusals, tree_state, wheel
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -34,10 +32,6 @@ def _git(*args: str, cwd: pathlib.Path | None = None) -> subprocess.CompletedPro
         ["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
         check=True, capture_output=True, text=True, env=GIT_ENV, cwd=cwd,
     )  # fmt: skip
-
-
-def _refusals(handle: SandboxHandle) -> list[tuple[str, str]]:
-    return [(v.action, v.target) for v in handle.violations]
 
 
 CONFIG = "repoA/.git/config"
@@ -67,27 +61,6 @@ def _plant(wt: pathlib.Path) -> None:
     (wt / "s_file").write_text("[core]\n\tpager = evil\n")
 
 
-def _state(wt: pathlib.Path) -> dict[str, tuple[int, bytes]]:
-    """Every name in the worktree but the top-level scratch ones: its mode and content."""
-    out: dict[str, tuple[int, bytes]] = {}
-    for dirpath, dirnames, filenames in os.walk(wt):
-        rel_dir = pathlib.Path(dirpath).relative_to(wt)
-        if rel_dir == pathlib.Path("."):
-            dirnames[:] = [d for d in dirnames if not d.startswith("s_")]
-            filenames = [f for f in filenames if not f.startswith("s_")]
-        for name in [*dirnames, *filenames]:
-            p = pathlib.Path(dirpath) / name
-            st = p.lstat()
-            data = (
-                p.read_bytes() if stat.S_ISREG(st.st_mode)
-                else os.readlink(p).encode() if stat.S_ISLNK(st.st_mode)
-                else b""
-            )  # fmt: skip
-            out[str(rel_dir / name)] = (st.st_mode, data)
-    return out
-
-
-# name -> (Python body run in the worktree, the verb refused, the judged target relative to it)
 REFUSED: dict[str, tuple[str, str, str]] = {
     # The prefix rule in another case: a directory holding git/config renamed to .CONFIG.
     "prefix-case": ("os.rename('s_evil', 'plain/.CONFIG')", "file-write-rename", "plain/.CONFIG"),
@@ -277,15 +250,15 @@ async def test_review2_the_supervisor_refuses_and_reports_once(
     wt = sb.worktree
     _plant(wt)
     body, action, rel = REFUSED[name]
-    before = _state(wt)
+    before = tree_state(wt)
     handle, out = await run_attack(sb, tmp_path, body)
     assert "RESULT=refused [Errno 13]" in out, out
     # What the attack made before the refused step (inside .git, not at the top) is left.
     made = ("repoA/.git/s_x", "repoA/.git/worktrees/mine")
-    assert {k: v for k, v in _state(wt).items() if not k.startswith(made)} == before, out
+    assert {k: v for k, v in tree_state(wt).items() if not k.startswith(made)} == before, out
     assert (wt / HOST_WT / "commondir").read_text() == "../..\n", out
     assert not (wt / NEW_HOOK).exists(), out
-    assert _refusals(handle) == [(action, f"{wt}/{rel}")], (_refusals(handle), out)
+    assert refusals(handle) == [(action, f"{wt}/{rel}")], (refusals(handle), out)
 
 
 # name -> Python body; each must fail, change nothing, and make no file-* violation (the filter
@@ -325,12 +298,12 @@ async def test_review2_refused_without_a_write(
 ) -> None:
     wt = sb.worktree
     _plant(wt)
-    before = _state(wt)
+    before = tree_state(wt)
     handle, out = await run_attack(sb, tmp_path, NOT_SUPERVISED[name])
     assert "RESULT=refused" in out, out
-    assert _state(wt) == before, out
+    assert tree_state(wt) == before, out
     if name.startswith("git-config"):  # refused at git's rename onto the config: one violation
-        assert _refusals(handle) == [("file-write-rename", f"{wt}/bare.git/config")], out
+        assert refusals(handle) == [("file-write-rename", f"{wt}/bare.git/config")], out
     else:
         assert not [v for v in handle.violations if v.action.startswith("file-")], out
 
@@ -344,7 +317,7 @@ async def test_review2_existing_protected_names_are_eexist_not_violations(
     # file) or EEXIST, never a write.
     wt = sb.worktree
     _plant(wt)
-    before = _state(wt)
+    before = tree_state(wt)
     body = (
         "import errno, socket\ngot = []\n"
         f"for p in ('repoA/.git', 'repoA/.git/hooks', '{HOST_WT}', 'bare.git/hooks'):\n"
@@ -364,8 +337,8 @@ async def test_review2_existing_protected_names_are_eexist_not_violations(
     # (bind: the kernel says EADDRINUSE, the supervisor EEXIST; see the review's report)
     assert any(f"got [17, 17, 17, 17, 17, {e}, 17]" in out for e in (17, 98)), out
     assert "mkdir-p 0" in out, out
-    assert _state(wt) == before, out
-    assert handle.violations == [], _refusals(handle)
+    assert tree_state(wt) == before, out
+    assert handle.violations == [], refusals(handle)
 
 
 class _HostListener:
@@ -433,7 +406,7 @@ async def test_review2_a_killed_connector_fails_closed(
         "r [('abstract-bind', 111), ('host-connect', 13), ('inet-bind', 111), "
         "('netlink-groups', 111), ('own-connect', 111), ('path-bind', 'ok')]"
     ) in out, out
-    assert _refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
+    assert refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
 
 
 async def test_review2_binds_through_the_connector_keep_the_task_s_reach(
@@ -513,7 +486,7 @@ async def test_review2_a_flooded_connector_lets_nothing_out_and_recovers(
         listener.close()
     assert "host 13" in out and "alive 0" in out and "after ok" in out, out
     assert "RESULT=done" in out, out
-    assert _refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
+    assert refusals(handle) == [("network-outbound", f"{wt}/host.sock")], out
 
 
 async def test_review2_a_stopped_connector_holds_binds_until_resumed(
@@ -562,26 +535,7 @@ async def test_review2_creates_deep_below_hooks_names_are_not_pathologically_slo
     # Measured on a 2-vCPU VM: ~650 us per create below the hooks chain, ~160 below the plain
     # one (4x; a shallow create is ~25-40 us): bounded, not quadratic.
     assert ratio < 10, out
-    assert handle.violations == [], _refusals(handle)
-
-
-def _wheel(where: pathlib.Path) -> pathlib.Path:
-    """A minimal pure-Python wheel (no network, no build step) with a hooks/ package dir."""
-    import zipfile
-
-    path = where / "revtwo-1.0-py3-none-any.whl"
-    files = {
-        "revtwo/__init__.py": "X = 1\n",
-        "revtwo/hooks/__init__.py": "",
-        "revtwo-1.0.dist-info/METADATA": "Metadata-Version: 2.1\nName: revtwo\nVersion: 1.0\n",
-        "revtwo-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\n"
-        "Tag: py3-none-any\n",
-    }
-    record = "".join(f"{name},,\n" for name in files) + "revtwo-1.0.dist-info/RECORD,,\n"
-    with zipfile.ZipFile(path, "w") as z:
-        for name, text in {**files, "revtwo-1.0.dist-info/RECORD": record}.items():
-            z.writestr(name, text)
-    return path
+    assert handle.violations == [], refusals(handle)
 
 
 async def test_review2_ordinary_work_near_the_fixes_still_works(
@@ -598,7 +552,9 @@ async def test_review2_ordinary_work_near_the_fixes_still_works(
     _git("-C", str(wt / "repoA"), "add", "a.txt")
     _git("-C", str(wt / "repoA"), "commit", "-q", "-m", "one")
     config_before = (wt / "repoA" / ".git" / "config").read_bytes()
-    wheel = _wheel(tmp_path)
+    wheel_file = wheel(
+        tmp_path, "revtwo", "1.0", {"revtwo/__init__.py": "X = 1\n", "revtwo/hooks/__init__.py": ""}
+    )
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "package.json").write_text('{"name": "revtwo", "version": "1.0.0"}\n')
     (tmp_path / "pkg" / "index.js").write_text("module.exports = 1;\n")
@@ -622,7 +578,7 @@ async def test_review2_ordinary_work_near_the_fixes_still_works(
         "cp-a": f"cp -a {src} {wt}/s_cp",
         "tar-xattrs": f"mkdir {wt}/s_tar && tar --xattrs -xf {tmp_path}/x.tar -C {wt}/s_tar",
         "pip": f"python3 -m venv --system-site-packages --without-pip {wt}/venv && "
-        f"{wt}/venv/bin/python -m pip install -q --no-index --no-deps {wheel} && "
+        f"{wt}/venv/bin/python -m pip install -q --no-index --no-deps {wheel_file} && "
         f"{wt}/venv/bin/python -c 'import revtwo.hooks'",
         "npm": f"mkdir {wt}/s_npm && cd {wt}/s_npm && echo '{{}}' > package.json && "
         f"HOME={wt}/s_npm npm install --offline --no-audit --no-fund --no-update-notifier -s "
@@ -635,7 +591,7 @@ async def test_review2_ordinary_work_near_the_fixes_still_works(
     handle = sb.launch(bindMounts=[
         {"hostPath": str(wt)}, {"hostPath": str(tmp_path / "pkg"), "readOnly": True},
         {"hostPath": str(tmp_path / "x.tar"), "readOnly": True},
-        {"hostPath": str(wheel), "readOnly": True}, {"hostPath": str(src), "readOnly": True},
+        {"hostPath": str(wheel_file), "readOnly": True}, {"hostPath": str(src), "readOnly": True},
     ])  # fmt: skip
     result = await sb.sh(handle, script, timeout_s=120)
     out = output(result)
@@ -648,7 +604,7 @@ async def test_review2_ordinary_work_near_the_fixes_still_works(
     assert (wt / "s_cp" / "f").read_text() == "f\n" and (wt / "s_tar" / "x" / "f").exists()
     assert (wt / "s_npm" / "node_modules" / "revtwo").exists(), out
     # (npm may still look for the registry: the egress proxy refuses that, not the write policy)
-    assert [v for v in handle.violations if v.action.startswith("file-")] == [], _refusals(handle)
+    assert [v for v in handle.violations if v.action.startswith("file-")] == [], refusals(handle)
 
 
 async def test_review2_past_64_own_worktrees_a_commondir_stays_protected(sb: Sandboxes) -> None:
@@ -666,7 +622,7 @@ async def test_review2_past_64_own_worktrees_a_commondir_stays_protected(sb: San
     out = output(result)
     assert "first=0" in out and "last=0" not in out and "MKDIR-FAILED" not in out, out
     assert not (wt / "repoA" / ".git" / "worktrees" / "o65" / "commondir").exists(), out
-    assert _refusals(handle) == [
+    assert refusals(handle) == [
         ("file-write-create", f"{wt}/repoA/.git/worktrees/o65/commondir")
     ], out
 
@@ -708,7 +664,7 @@ async def test_review2_escape_shape_broken_by_moving_refs_then_restored(
     assert cfg.read_bytes() == before and bare_cfg.read_bytes() == bare_before, out
     assert not (wt / "store" / "r.git" / "hooks" / "pre-commit").exists(), out
     assert not (wt / "bare.git" / "hooks" / "post-receive").exists(), out
-    assert len(_refusals(handle)) >= 2, out
+    assert len(refusals(handle)) >= 2, out
 
 
 async def test_review2_escape_a_bind_root_git_dir_with_refs_moved_away(
@@ -779,7 +735,7 @@ async def test_review2_regression_chmod_and_tar_x_below_hooks_and_config_dirs(
     out = output(result)
     assert "chmod_hook=0" in out and "chmod_config=0" in out and "tar=0" in out, out
     assert (wt / "app" / "src" / "hooks" / "run.sh").stat().st_mode & 0o777 == 0o755, out
-    assert handle.violations == [], _refusals(handle)
+    assert handle.violations == [], refusals(handle)
 
 
 async def test_review2_regression_bind_onto_an_existing_name_is_eaddrinuse(
@@ -921,7 +877,7 @@ async def test_review2_regression_commit_in_a_separate_git_dir_repository(sb: Sa
     ))  # fmt: skip
     out = output(result)
     assert "ci=0" in out and "co=0" in out, out
-    assert handle.violations == [], _refusals(handle)
+    assert handle.violations == [], refusals(handle)
 
 
 async def test_review2_escape_a_task_s_own_landlock_domain_is_ignored_by_the_supervisor(
