@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
+import shutil
 import socket
 import stat
 import subprocess
@@ -866,24 +867,35 @@ def test_as_an_unprivileged_user_the_review_s_attacks_are_refused(
         "exit(1 if l.linkat(fd, b'', -100, b's_alias', 0x1000) else 0)\"; echo link=$?; "
         'python3 -c "import os; os.truncate(f\'/proc/self/fd/{os.open(\\"repoA/.git/config\\", '
         "os.O_PATH)}', 0)\" 2>/dev/null; echo truncate=$?; "
-        "rmdir sub/.vscode 2>/dev/null; echo rmdir=$?; echo ok > s_fine; echo fine=$?"
+        "rmdir sub/.vscode 2>/dev/null; echo rmdir=$?; "
+        # The first review's escapes that reproduced as this user: an ACL, a directory renamed
+        # to .config, a bare repository moved out of .git.
+        "python3 -c \"import os, struct; os.setxattr('repoA/.git/hooks/pre-push', "
+        "'system.posix_acl_access', struct.pack('<I', 2) + b''.join(struct.pack('<HHI', t, 7, "
+        "0xffffffff) for t in (1, 4, 0x20)))\" 2>/dev/null; echo acl=$?; "
+        "mkdir -p s_c/git && echo evil > s_c/git/config && mv s_c sub/.config 2>/dev/null; "
+        "echo prefix=$?; mkdir -p repoA/.git/s_x/objects repoA/.git/s_x/refs && "
+        "mv repoA/.git/s_x s_bare 2>/dev/null; echo bare=$?; "
+        "echo ok > s_fine; echo fine=$?"
     )
     done = other_user.run(
         ["/usr/bin/python3", "-m", "cc_server.cli", "run", "--bind", str(user_dir),
          "--workdir", str(user_dir), "--", "/bin/sh", "-c", script],
         cwd=user_dir, env={"CC_SERVER_DAEMON": "off"},
     )  # fmt: skip
-    assert done.stdout.splitlines() == ["chmod=1", "link=1", "truncate=1", "rmdir=1", "fine=0"], (
-        done.stdout, done.stderr,
-    )  # fmt: skip
+    assert done.stdout.splitlines() == [
+        "chmod=1", "link=1", "truncate=1", "rmdir=1", "acl=1", "prefix=1", "bare=1", "fine=0"
+    ], (done.stdout, done.stderr)  # fmt: skip
+    staged = user_dir / "repoA" / ".git" / "s_x"  # made inside .git (allowed), kept there
+    assert (staged / "objects").is_dir(), done.stderr
+    shutil.rmtree(staged)
     assert tree_state(user_dir) == before, done.stderr
-    assert not (user_dir / "s_alias").exists()
+    assert not (user_dir / "s_alias").exists() and not (user_dir / "s_bare").exists()
     for verb in ("file-write-mode", "file-write-create", "file-write-data", "file-write-unlink"):
         assert verb in done.stderr, done.stderr
 
 
-# --- ready-to-paste tests: each asserts the SAFE outcome and FAILS today --------------------------
-# (append to tests/security/test_write_policy_review.py, and add `import asyncio` at its top)
+# --- the escapes this review found, each now refused (they escaped when it was written) ----------
 
 FIXED_ESCAPES: dict[str, tuple[str, str, str]] = {
     # A POSIX ACL written with setxattr is a chmod by another name: the owner bits follow
