@@ -693,6 +693,8 @@ out:
 
 #define CONNECT_MAX_ADDR 128 /* sizeof(struct sockaddr_storage) */
 #define CONNECT_MAX_RUNNING 64
+#define CONNECT_TARGET 1u /* supervisor.c: the same values */
+#define CONNECT_BIND 2u
 
 /* One request (supervisor.c do_connect): connect the attached socket to `addr`, or, with a
  * second descriptor attached (an O_PATH of a Unix socket's file the supervisor has judged), to
@@ -700,7 +702,7 @@ out:
 struct connect_request {
     uint64_t id;
     uint32_t addrlen;
-    uint32_t has_target; /* bit 0: a target fd is attached; bit 1: bind, not connect */
+    uint32_t flags; /* CONNECT_TARGET: a target fd is attached; CONNECT_BIND: bind it */
     unsigned char addr[CONNECT_MAX_ADDR];
 };
 struct connect_reply {
@@ -724,7 +726,7 @@ static void *connect_one(void *arg) {
         struct sockaddr_un un = {.sun_family = AF_UNIX};
         snprintf(un.sun_path, sizeof un.sun_path, "/proc/self/fd/%d", job->target);
         rc = connect(job->sock, (struct sockaddr *)&un, sizeof un);
-    } else if (job->req.has_target & 2) {
+    } else if (job->req.flags & CONNECT_BIND) {
         rc = bind(job->sock, (struct sockaddr *)job->req.addr, job->req.addrlen);
     } else {
         rc = connect(job->sock, (struct sockaddr *)job->req.addr, job->req.addrlen);
@@ -768,8 +770,8 @@ static _Noreturn void connector(int ctl) {
             nfds = (int)((c->cmsg_len - CMSG_LEN(0)) / sizeof(int));
             memcpy(fds, CMSG_DATA(c), (size_t)(nfds > 2 ? 2 : nfds) * sizeof(int));
         }
-        bool ok = n == (ssize_t)sizeof job->req && nfds == ((job->req.has_target & 1) ? 2 : 1) &&
-                  job->req.addrlen <= CONNECT_MAX_ADDR && job->req.has_target != 3;
+        bool ok = n == (ssize_t)sizeof job->req && nfds == ((job->req.flags & CONNECT_TARGET) ? 2 : 1) &&
+                  job->req.addrlen <= CONNECT_MAX_ADDR && job->req.flags != (CONNECT_TARGET | CONNECT_BIND);
         struct connect_reply reply = {.id = job->req.id, .err = EINVAL};
         if (ok && atomic_fetch_add(&connects_running, 1) >= CONNECT_MAX_RUNNING) {
             atomic_fetch_sub(&connects_running, 1);
@@ -780,7 +782,7 @@ static _Noreturn void connector(int ctl) {
         if (ok) {
             job->ctl = ctl;
             job->sock = fds[0];
-            job->target = (job->req.has_target & 1) ? fds[1] : -1;
+            job->target = (job->req.flags & CONNECT_TARGET) ? fds[1] : -1;
             pthread_attr_t attr;
             pthread_attr_init(&attr);
             pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);

@@ -2894,7 +2894,7 @@ static bool unix_path(int domain, const struct sockaddr_storage *addr, uint64_t 
 struct connect_request {
     uint64_t id;
     uint32_t addrlen;
-    uint32_t has_target; /* bit 0: a target fd is attached; bit 1: bind, not connect */
+    uint32_t flags; /* CONNECT_TARGET: a target fd is attached; CONNECT_BIND: bind it */
     unsigned char addr[128];
 };
 #define CONNECT_TARGET 1u
@@ -2978,7 +2978,7 @@ static void connect_via(struct req *q, int sock, int target, const void *addr, u
     struct ccs *s = q->s;
     struct connect_request rq = {
         .id = q->n->id, .addrlen = addrlen,
-        .has_target = (target >= 0 ? CONNECT_TARGET : 0) | (bind_it ? CONNECT_BIND : 0),
+        .flags = (target >= 0 ? CONNECT_TARGET : 0) | (bind_it ? CONNECT_BIND : 0),
     };
     memcpy(rq.addr, addr, addrlen);
     pthread_mutex_lock(&s->conn_lock);
