@@ -32,6 +32,7 @@ from cc_server.policy import (
     SandboxBackend,
     compile_policy,
 )
+from cc_server.policy.paths import is_within
 from cc_server.runtime.select import choose_backend, planner_for, protected_patterns_for
 
 if TYPE_CHECKING:
@@ -251,7 +252,7 @@ def _macos_realpath(path: str) -> str:
     """This host's symlinks, then macOS's /tmp, /var and /etc -> /private/... ."""
     resolved = os.path.realpath(path)
     for link in MACOS_PRIVATE_LINKS:
-        if resolved == link or resolved.startswith(link + "/"):
+        if is_within(resolved, link):
             return "/private" + resolved
     return resolved
 

@@ -13,6 +13,7 @@ from typing import Any
 from cc_server.backends.bubblewrap import DEFAULT_PATH
 from cc_server.errors import BadSpec
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
+from cc_server.policy.paths import is_within
 
 __all__ = [
     "DEFAULT_DOTFILES",
@@ -89,7 +90,7 @@ def _refuse_as_cwd_bind(cwd: str, home: str) -> None:
     """
     real = os.path.realpath(cwd)
     homes = {home, os.path.realpath(home)}
-    if real == "/" or any(h == real or h.startswith(real.rstrip("/") + "/") for h in homes):
+    if real == "/" or any(is_within(h, real) for h in homes):
         what = "/" if real == "/" else "$HOME" if real in homes else "a directory holding $HOME"
         raise BadSpec(
             f"the current directory {cwd!r} is {what}: binding it writable (what `run` does "
@@ -121,7 +122,7 @@ def _dotfile_binds(
             raise BadSpec(f"--dotfile {name!r} is not a path under $HOME ({home})",
                           fix="name it relative to $HOME, like .gitconfig")
         secret = next((s for s, _ in SECRET_DENY_READ
-                       if rel == s or rel.startswith(s + "/")), None)
+                       if is_within(rel, s)), None)
         if secret is not None:
             raise BadSpec(f"--dotfile {name!r}: ~/{secret} is in the secret set and is masked "
                           "in every sandbox", fix="show the tool's other files, not its secrets")
@@ -146,7 +147,7 @@ def _guest_path_of(path: str, binds: Sequence[Mapping[str, Any]]) -> str | None:
         host = str(bind.get("hostPath", ""))
         guest = str(bind.get("guestPath") or host)
         for spelling in {host, os.path.realpath(host)}:
-            if path == spelling or path.startswith(spelling.rstrip("/") + "/"):
+            if is_within(path, spelling):
                 inside = guest.rstrip("/") + path[len(spelling.rstrip("/")):] or "/"
                 if best is None or len(spelling) > best[0]:
                     best = (len(spelling), inside)
@@ -195,7 +196,7 @@ def command_env(
         shown = [os.path.join(home, n[2:] if n.startswith("~/") else n)
                  for n in args.dotfile or DEFAULT_DOTFILES]
         entries = [e for e in environ.get("PATH", "").split(":")
-                   if any(e == d or e.startswith(d + "/") for d in shown)]
+                   if any(is_within(e, d) for d in shown)]
         if entries:
             env["PATH"] = ":".join([*entries, DEFAULT_PATH])
     env.update(dict(args.env))

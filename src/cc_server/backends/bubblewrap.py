@@ -26,6 +26,7 @@ from cc_server.backends.seccomp import filter_bpf
 from cc_server.backends.supervisor import GUEST_LAUNCHER, notify_filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
 from cc_server.policy import CompiledPolicy, HostFacts, Mount, SandboxBackend
+from cc_server.policy.paths import is_within
 
 __all__ = ["SANDBOX_HOSTNAME", "SYSTEM_RO_PATHS", "CreateRuleTools", "plan_bubblewrap"]
 
@@ -85,10 +86,6 @@ PROC_MASKED: tuple[str, ...] = (
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def _ancestors_between(root: str, path: str) -> list[str]:
     """Directories strictly between `root` and `path`, outermost first."""
     rel = posixpath.relpath(path, root)
@@ -131,8 +128,8 @@ def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) 
             # a command, to pick what the next launch binds (a root-only host directory).
             for outer in policy.mounts:
                 if outer is not mount and outer.writable and (
-                    _under(mount.literal_path, outer.literal_path)
-                    or _under(mount.literal_path, outer.host_path)
+                    is_within(mount.literal_path, outer.literal_path)
+                    or is_within(mount.literal_path, outer.host_path)
                 ):
                     raise EnforcementFailed(
                         f"bind mount {mount.literal_path!r} resolves through a symlink inside "
@@ -195,7 +192,7 @@ def _step_system(host: HostFacts) -> list[str | FdArg]:
 def _step_home(host: HostFacts, mounts: Sequence[Mount]) -> list[str | FdArg]:
     # 3. An empty, throw-away $HOME unless a bind makes the real one visible.
     home = host.home
-    if home == "/" or any(_under(home, m.host_path) for m in mounts):
+    if home == "/" or any(is_within(home, m.host_path) for m in mounts):
         return []
     return ["--tmpfs", home]
 
@@ -221,7 +218,7 @@ def _pin_ancestors(
     """
     args: list[str | FdArg] = []
     for ancestor in _ancestors_between(root.host_path, path):
-        if ancestor not in pinned and not any(_under(ancestor, r) for r in read_only):
+        if ancestor not in pinned and not any(is_within(ancestor, r) for r in read_only):
             pinned.add(ancestor)
             args += ["--bind", ancestor, ancestor]
     return args
@@ -230,7 +227,7 @@ def _pin_ancestors(
 def _visible_mount(mounts: Sequence[Mount], path: str) -> Mount | None:
     best: Mount | None = None
     for mount in mounts:
-        if _under(path, mount.host_path) and (
+        if is_within(path, mount.host_path) and (
             best is None or len(mount.host_path) > len(best.host_path)
         ):
             best = mount
@@ -261,7 +258,7 @@ def _step_deny_write(
         # Not writable from above, but a writable bind below it (protectedPaths: [/repo] with
         # /repo/src bound) would be: re-bind each such bind read-only.
         for inner in policy.mounts:
-            if inner.writable and _under(inner.host_path, target):
+            if inner.writable and is_within(inner.host_path, target):
                 args += ["--ro-bind", inner.host_path, inner.host_path]
                 read_only.add(inner.host_path)
     return args
@@ -287,7 +284,7 @@ def _step_deny_read(
         mount = _visible_mount([*policy.mounts, *system], target)
         # A bind at or below the secret (bindMounts: ~/.ssh/keys) exposes it even when nothing
         # above it is visible; the mask on the secret itself hides those binds too.
-        if mount is None and not any(_under(m.host_path, target) for m in policy.mounts):
+        if mount is None and not any(is_within(m.host_path, target) for m in policy.mounts):
             continue
         done.add(target)
         if mount is not None and mount.writable:
@@ -317,11 +314,11 @@ def _hide_base_dirs(policy: CompiledPolicy, egress: EgressBridge) -> list[_Word]
     roots = [m.host_path for m in policy.mounts] + list(SYSTEM_RO_PATHS)
     args: list[_Word] = []
     for view in sorted(views):
-        if not any(_under(view, root) or _under(root, view) for root in roots):
+        if not any(is_within(view, root) or is_within(root, view) for root in roots):
             continue
         args += ["--tmpfs", view]
         for mount in sorted(policy.mounts, key=lambda m: m.host_path.count("/")):
-            if mount.host_path != view and _under(mount.host_path, view):
+            if mount.host_path != view and is_within(mount.host_path, view):
                 flag = "--bind" if mount.writable else "--ro-bind"
                 args += [flag, mount.host_path, mount.host_path]
         args += ["--remount-ro", view]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final, TypeVar
 
 from cc_server.errors import BadSpec
+from cc_server.policy.paths import is_within
 
 if TYPE_CHECKING:
     from cc_server.backends.plan import SandboxIdentity
@@ -70,17 +71,13 @@ _W = TypeVar("_W")
 _BIND_OPTIONS: Final = frozenset({"--bind", "--ro-bind"})
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def _staged(
     source: str, staged: Sequence[str], by_depth: Sequence[int], realpath: Callable[[str], str]
 ) -> str:
-    if not any(_under(source, r) for r in staged):
+    if not any(is_within(source, r) for r in staged):
         source = realpath(source)
     for i in by_depth:
-        if _under(source, staged[i]):
+        if is_within(source, staged[i]):
             return f"{STAGE_DIR}/{i}{source[len(staged[i]):]}"
     return source
 
@@ -103,7 +100,7 @@ def identity_argv(
     """
     staged: list[str] = []
     for root in roots:
-        if _under(root, STAGE_DIR) or _under(STAGE_DIR, root):
+        if is_within(root, STAGE_DIR) or is_within(STAGE_DIR, root):
             raise BadSpec(
                 f"bind mount {root!r} overlaps {STAGE_DIR}, where a root server stages its binds",
                 fix=f"bind a directory outside {STAGE_DIR}",

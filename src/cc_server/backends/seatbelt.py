@@ -42,6 +42,7 @@ from cc_server.backends.plan import Command, LaunchPlan
 from cc_server.backends.probe import SANDBOX_EXEC_PATH
 from cc_server.errors import BadSpec, EnforcementFailed
 from cc_server.policy import CompiledPolicy, HostFacts, PathRule, SandboxBackend, spellings
+from cc_server.policy.paths import is_within
 
 __all__ = [
     "BASE_PROFILE",
@@ -130,10 +131,6 @@ def _glob_body(pattern: str) -> str:
 
 def _is_glob(path: str) -> bool:
     return "*" in path or "?" in path
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def _ancestors(path: str) -> list[str]:
@@ -258,7 +255,7 @@ def _writable_roots(
     out: list[tuple[str, str, tuple[str, ...]]] = []
     seen: set[str] = set()
     for path, reason, names in roots:
-        if path in seen or any(_under(path, d) for d in denied):
+        if path in seen or any(is_within(path, d) for d in denied):
             continue
         seen.add(path)
         out.append((path, reason, tuple(dict.fromkeys(names))))

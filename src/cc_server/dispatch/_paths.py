@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cc_server.policy import CompiledPolicy, Mount, PathRule
+from cc_server.policy.paths import is_within, relative_within
 
 __all__ = [
     "GuestPath",
@@ -45,17 +46,6 @@ class GuestPath:
         return posixpath.join(self.mount.host_path, self.relative)
 
 
-def _under(path: str, root: str) -> str | None:
-    """The part of `path` below `root`, or None when it is not at or below it."""
-    if root == "/":
-        return path.lstrip("/")
-    if path == root:
-        return ""
-    if path.startswith(root + "/"):
-        return path[len(root) + 1 :]
-    return None
-
-
 def map_guest_path(policy: CompiledPolicy, path: str) -> GuestPath:
     """Map a path as the agent sees it (absolute, or relative to the policy's workdir).
 
@@ -79,7 +69,7 @@ def map_guest_path(policy: CompiledPolicy, path: str) -> GuestPath:
         guest = "/" + guest.lstrip("/")
     best: tuple[Mount, str] | None = None
     for mount in policy.mounts:
-        rest = _under(guest, mount.guest_path)
+        rest = relative_within(guest, mount.guest_path)
         if rest is not None and (best is None or len(mount.guest_path) > len(best[0].guest_path)):
             best = (mount, rest)
     if best is None:
@@ -90,14 +80,14 @@ def map_guest_path(policy: CompiledPolicy, path: str) -> GuestPath:
 def rule_covering(rules: Iterable[PathRule], host_path: str) -> PathRule | None:
     """The first rule whose path is `host_path` or one of its ancestors."""
     for rule in rules:
-        if _under(host_path, rule.path) is not None:
+        if is_within(host_path, rule.path):
             return rule
     return None
 
 
 def rule_under(rules: Iterable[PathRule], host_dir: str) -> list[PathRule]:
     """Rules whose path lies strictly below `host_dir` (what a walk of it must skip)."""
-    return [r for r in rules if r.path != host_dir and _under(r.path, host_dir) is not None]
+    return [r for r in rules if r.path != host_dir and is_within(r.path, host_dir)]
 
 
 def matches_create_glob(globs: Iterable[str], name: str) -> str | None:

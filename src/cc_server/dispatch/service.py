@@ -67,7 +67,7 @@ from cc_server.policy import (
     SandboxBindMount,
     SandboxSpec,
 )
-from cc_server.policy.paths import SECRET_DENY_READ, SYSTEM_DENY_READ
+from cc_server.policy.paths import SECRET_DENY_READ, SYSTEM_DENY_READ, is_within
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.port import SandboxManager
 
@@ -191,10 +191,6 @@ class DispatchRun:
         }
 
 
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 class DispatchService:
     """Owns the worktrees and the live runs of one server."""
 
@@ -264,7 +260,7 @@ class DispatchService:
         for mount in spec.bind_mounts:
             root = os.path.realpath(mount.host_path)
             for path in private:
-                if path == root or path.startswith(root.rstrip("/") + "/"):
+                if is_within(path, root):
                     raise BadSpec(
                         f"the dispatch bind {mount.host_path!r} would expose the server's "
                         f"private {path!r}",
@@ -341,14 +337,14 @@ class DispatchService:
         denied = [os.path.realpath(p) for p in denied]
         for name, value in ca_bundle_env(self.environ).items():
             paths = [os.path.realpath(p) for p in ca_bundle_paths(name, value)]
-            if any(_under(path, d) for path in paths for d in denied):
+            if any(is_within(path, d) for path in paths for d in denied):
                 log.warning("dispatch: %s=%s is in a read-denied path; not passed", name, value)
                 continue
             env[name] = value
             binds += [
                 SandboxBindMount(host_path=path, read_only=True)
                 for path in paths
-                if not any(_under(path, root) for root in SYSTEM_RO_PATHS)
+                if not any(is_within(path, root) for root in SYSTEM_RO_PATHS)
             ]
         unique = {b.host_path: b for b in binds}
         return env, tuple(unique.values())

@@ -52,6 +52,7 @@ from cc_server.dispatch.guardrails import GuardrailChain
 from cc_server.dispatch.modes import tools_for_mode
 from cc_server.errors import CcServerError
 from cc_server.policy import CompiledPolicy, Mount
+from cc_server.policy.paths import is_within
 
 __all__ = [
     "MAX_READ_BYTES",
@@ -180,7 +181,7 @@ class FileTools:
         self, action: Action, host: str, mount: Mount, *, write: bool, guest: str
     ) -> None:
         """The path rules on a host path (the lexical one, then the opened object's)."""
-        if posixpath.commonpath([host, mount.host_path]) != mount.host_path:
+        if not is_within(host, mount.host_path):
             raise self._refuse(action, f"{guest!r} resolves outside its bind")
         secret = rule_covering(self.policy.deny_read, host)
         if secret is not None:
@@ -718,9 +719,7 @@ class FileTools:
                 # What the directory descriptor really is, once per directory: files are then
                 # opened in it with O_NOFOLLOW, so their real path is this plus their name.
                 dir_real = real_path(dirfd, expected)
-                if dir_real != expected or posixpath.commonpath([dir_real, mount_root]) != (
-                    mount_root
-                ):
+                if dir_real != expected or not is_within(dir_real, mount_root):
                     dirnames[:] = []
                     continue  # swapped while walking: skip it rather than guess
                 dirnames[:] = [
@@ -776,7 +775,7 @@ def _innermost_mount(mounts: tuple[Mount, ...], host: str) -> Mount | None:
     best: Mount | None = None
     for mount in mounts:
         root = mount.host_path
-        if (host == root or host.startswith(root.rstrip("/") + "/")) and (
+        if is_within(host, root) and (
             best is None or len(root) > len(best.host_path)
         ):
             best = mount

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError, EnforcementFailed
+from cc_server.policy.paths import is_within
 
 __all__ = [
     "FICLONE",
@@ -167,12 +168,11 @@ def _unescape_mountinfo(field_text: str) -> str:
 
 def mounted_under(root: str) -> list[str]:
     """Mount points at or below `root` in this process's mount namespace, deepest first."""
-    prefix = root.rstrip("/") + "/"
     found: list[str] = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             point = _unescape_mountinfo(line.split(" ")[4])
-            if point == root or point.startswith(prefix):
+            if is_within(point, root):
                 found.append(point)
     return sorted(set(found), key=len, reverse=True)
 
@@ -380,11 +380,7 @@ class WorktreeManager:
             raise BadSpec(
                 f"repository path {path!r} is not a directory", fix="register an existing checkout"
             )
-        if (
-            resolved == self.base
-            or resolved.startswith(self.base + "/")
-            or self.base.startswith(resolved + "/")
-        ):
+        if is_within(resolved, self.base) or is_within(self.base, resolved):
             raise BadSpec(
                 f"repository path {path!r} overlaps the worktree directory",
                 fix="register a checkout outside it",

@@ -20,6 +20,7 @@ from cc_server.errors import BadSpec
 from cc_server.microvm.proto import MountOp
 from cc_server.microvm.vm import MOUNT_SLOTS, Share, slot_tag
 from cc_server.policy import CompiledPolicy
+from cc_server.policy.paths import is_within, relative_within
 
 __all__ = ["GuestMount", "MountPlan", "plan_mounts"]
 
@@ -47,12 +48,9 @@ class MountPlan:
     steps: tuple[GuestMount, ...]
 
 
-def _under(path: str, root: str) -> str | None:
-    """`path` relative to `root` ("" for the root itself), or None when outside it."""
-    if path == root:
-        return ""
-    prefix = root.rstrip("/") + "/"
-    return path[len(prefix):] if path.startswith(prefix) else None
+def _relative_to_any(path: str, roots: set[str]) -> str | None:
+    """`path` relative to the first of `roots` holding it ("" for a root itself), else None."""
+    return next((r for r in (relative_within(path, root) for root in roots) if r is not None), None)
 
 
 def plan_mounts(
@@ -79,7 +77,7 @@ def plan_mounts(
     for index, mount in enumerate(policy.mounts):
         guest = posixpath.normpath(mount.guest_path)
         if guest in RESERVED_GUEST_PATHS or not guest.startswith("/") or any(
-            _under(guest, r) is not None for r in ("/proc", "/sys", "/dev", "/run")
+            is_within(guest, r) for r in ("/proc", "/sys", "/dev", "/run")
         ):
             raise BadSpec(
                 f"guestPath {mount.guest_path!r} would cover the guest's own system",
@@ -94,8 +92,7 @@ def plan_mounts(
         writable = mount.writable
         roots = {mount.host_path, mount.literal_path}
         for rule in policy.deny_write:
-            rel = next((r for r in (_under(rule.path, root) for root in roots) if r is not None),
-                       None)
+            rel = _relative_to_any(rule.path, roots)
             if rel is None or not writable:
                 continue
             if rel == "":
@@ -106,8 +103,7 @@ def plan_mounts(
         for rule in policy.deny_read:
             if "*" in rule.path or "?" in rule.path:
                 continue
-            rel = next((r for r in (_under(rule.path, root) for root in roots) if r is not None),
-                       None)
+            rel = _relative_to_any(rule.path, roots)
             if rel == "":
                 raise BadSpec(
                     f"bind mount {mount.literal_path!r} is a path the policy denies reading "

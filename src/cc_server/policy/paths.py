@@ -6,6 +6,7 @@ a reason a reviewer can check.
 
 from __future__ import annotations
 
+import posixpath
 from typing import Final
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "SECRET_DENY_READ",
     "STANDARD_DENY_CREATE_GLOBS",
     "SYSTEM_DENY_READ",
+    "is_within",
+    "relative_within",
 ]
 
 # Credential stores under $HOME: never readable from inside a sandbox.
@@ -141,3 +144,31 @@ PROTECTED_PATTERN_NAMES: Final[tuple[str, ...]] = tuple(p for p, _ in PROTECTED_
 
 # The standard dispatch policy's create-time rules: no new env or key files inside writable binds.
 STANDARD_DENY_CREATE_GLOBS: Final[tuple[str, ...]] = (".env", "*.key", "*.pem")
+
+
+def _lexical(path: str) -> str:
+    """`path` with `.` and `..` components, doubled and trailing slashes taken out."""
+    if "/." not in path and "//" not in path and not path.endswith("/"):
+        return path  # already in that form: the common case, kept cheap
+    path = posixpath.normpath(path)
+    return "/" + path.lstrip("/") if path.startswith("//") else path
+
+
+def relative_within(path: str, root: str) -> str | None:
+    """The part of `path` below `root` (`""` for `root` itself), or None when it is not there.
+
+    Compared by whole components of the lexical spellings: `.`, `..`, doubled and trailing
+    slashes are normalised first, so `/a/b/../c` is not within `/a/b` and `/a/bc` is not within
+    `/a/b`; every absolute path is within `/`. Nothing on disk is read: a caller that cares about
+    symlinks passes real paths.
+    """
+    path, root = _lexical(path), _lexical(root)
+    if path == root:
+        return ""
+    prefix = root if root.endswith("/") else root + "/"
+    return path[len(prefix) :] if path.startswith(prefix) else None
+
+
+def is_within(path: str, root: str) -> bool:
+    """Whether `path` is `root` or lies below it (as `relative_within` compares them)."""
+    return relative_within(path, root) is not None

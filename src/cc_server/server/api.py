@@ -25,6 +25,7 @@ from aiohttp import WSMsgType, web
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
+from cc_server.policy.paths import is_within
 from cc_server.policy.spec import check_absolute
 from cc_server.runtime.events import (
     EgressChanged,
@@ -105,7 +106,7 @@ def _check_token_not_exposed(state: ServerState, spec: SandboxSpec) -> None:
     token = state.token_real_path
     for i, mount in enumerate(spec.bind_mounts):
         root = state.manager.host.realpath(mount.host_path)
-        if token == root or token.startswith(root.rstrip("/") + "/"):
+        if is_within(token, root):
             raise refusal(BadSpec(
                 f"bindMounts[{i}].hostPath {mount.host_path!r} would expose the server's bearer "
                 "token file",

@@ -62,6 +62,7 @@ from cc_server.dispatch.worktrees import WorktreeManager
 from cc_server.egress.operator import OperatorEgress
 from cc_server.errors import BadSpec, ConfigError
 from cc_server.policy import AgentCapabilities, Mode
+from cc_server.policy.paths import is_within
 from cc_server.runtime.egress import egress_base_dir
 from cc_server.runtime.port import SandboxManager
 from cc_server.server.egress_api import answer_request, change_egress, egress_view
@@ -152,7 +153,7 @@ def _default_agent_dirs(argv: tuple[str, ...]) -> list[str]:
             marker = "/node_modules/"
             root = path[: path.index(marker) + len(marker) - 1] if marker in path \
                 else os.path.dirname(path)
-            if root not in dirs and not any(root.startswith(d + "/") for d in dirs):
+            if root not in dirs and not any(is_within(root, d) for d in dirs):
                 dirs.append(root)
     return dirs
 
