@@ -11,7 +11,8 @@ from cc_server.dispatch._paths import (
     rule_covering,
     rule_under,
 )
-from cc_server.dispatch.tools import FileToolError, _apply_hunks, _parse_patch
+from cc_server.dispatch._tool_patch import apply_hunks, parse_patch
+from cc_server.dispatch.tools import FileToolError
 from cc_server.policy import (
     HostFacts,
     PathRule,
@@ -102,7 +103,7 @@ def test_create_globs_match_like_the_supervisor(name: str, hit: str | None) -> N
 
 
 def test_patch_parsing_and_hunks() -> None:
-    ops = _parse_patch(
+    ops = parse_patch(
         "*** Begin Patch\n*** Add File: n.txt\n+a\n+b\n*** Delete File: d.txt\n"
         "*** Update File: u.txt\n*** Move to: v.txt\n@@ def f():\n-    return 1\n+    return 2\n"
         "*** End of File\n*** End Patch\n"
@@ -114,7 +115,7 @@ def test_patch_parsing_and_hunks() -> None:
     ]
     assert ops[0].lines == ("a\n", "b\n")
     text = "x = 0\ndef f():\n    return 1\n"
-    assert _apply_hunks(text, ops[2].lines, "u.txt") == "x = 0\ndef f():\n    return 2\n"
+    assert apply_hunks(text, ops[2].lines, "u.txt") == "x = 0\ndef f():\n    return 2\n"
 
 
 @pytest.mark.parametrize(
@@ -130,11 +131,11 @@ def test_patch_parsing_and_hunks() -> None:
 )
 def test_malformed_patches_are_refused(patch: str) -> None:
     with pytest.raises(FileToolError):
-        _parse_patch(patch)
+        parse_patch(patch)
 
 
 def test_a_hunk_that_does_not_apply_is_an_error() -> None:
     with pytest.raises(FileToolError, match="not found"):
-        _apply_hunks("a\nb\n", ("-c", "+d"), "f")
+        apply_hunks("a\nb\n", ("-c", "+d"), "f")
     with pytest.raises(FileToolError, match="anchor"):
-        _apply_hunks("a\nb\n", ("@@ nowhere", "-a", "+d"), "f")
+        apply_hunks("a\nb\n", ("@@ nowhere", "-a", "+d"), "f")
