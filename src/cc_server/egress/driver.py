@@ -6,15 +6,11 @@ sandbox's bridge). Each client connection runs one handshake machine (`http_mach
 `socks_machine`) through the loop in `proto`'s docstring, then hands both sockets to
 `relay.relay` (splice on the event loop; see that module for why).
 
-On `CheckEgress` the driver asks the session's `Allowlist`, and then guards beyond the peers:
-
-- an IP literal that is a forbidden address (`addresses.forbidden_reason`: loopback, private,
-  link-local, metadata, ... in every spelling) is refused unless that address is itself on the
-  allowlist (an `IpLiteralPattern` rule);
-- a name is resolved once; if any answer is forbidden (and not itself allowlisted as a literal)
-  or on the deny list, the connection is refused. Otherwise the driver dials exactly the checked
-  answers, in order, and never resolves again, so DNS rebinding gains nothing. A name that does
-  not resolve is an upstream failure (502, SOCKS 0x04), not a violation.
+On `CheckEgress` the decision is `guard`'s (pure: the allowlist, then the address guard beyond
+it); the driver only does its awaits: it resolves a listed name once when the guard asks
+(`Resolve`), holds an unlisted target while someone is asked (ask mode), and dials exactly the
+checked answers, in order, never resolving again, so DNS rebinding gains nothing. A name that
+does not resolve is an upstream failure (502, SOCKS 0x04), not a violation.
 
 Every refusal is written in-protocol (HTTP 403, SOCKS 0x02) and reported once through
 `ProxyParams.on_refused`.
@@ -49,15 +45,22 @@ from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
 from cc_server.backends.peer import PeerRule, ThisProcess, admit_async
-from cc_server.egress.addresses import IPAddress, forbidden_reason
-from cc_server.egress.http_machine import HttpProxyMachine
-from cc_server.egress.patterns import (
-    Allowlist,
-    Decision,
-    InvalidHostName,
-    IpLiteralPattern,
-    parse_host,
+from cc_server.egress.addresses import IPAddress
+from cc_server.egress.guard import (
+    NOTHING_DENIED,
+    NOTHING_NETWORK_OFF,
+    Allowed,
+    Refused,
+    Resolve,
+    Unresolvable,
+    Verdict,
+    check_answers,
+    check_target,
+    entry_for,
+    unresolvable,
 )
+from cc_server.egress.http_machine import HttpProxyMachine
+from cc_server.egress.patterns import Allowlist
 from cc_server.egress.proto import (
     NEED_DATA,
     UPSTREAM_REFUSED,
@@ -74,6 +77,8 @@ from cc_server.egress.socks_machine import Socks5Machine
 from cc_server.errors import EnforcementFailed
 
 __all__ = [
+    "NOTHING_DENIED",
+    "NOTHING_NETWORK_OFF",
     "AdoptedListener",
     "AskAnswer",
     "Asker",
@@ -111,13 +116,6 @@ REFUSAL_DRAIN_BYTES: Final = 256 * 1024
 ACCEPT_BACKOFF_S: Final = 0.1
 # sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_UNIX_PATH_BYTES: Final = 107
-
-# The advice of a refusal no allowlist entry can undo.
-NOTHING_DENIED: Final = "nothing: the deny list wins over every allowlist entry"
-NOTHING_NETWORK_OFF: Final = (
-    "nothing while the session's network is off (networkEnabled false, or no canUseNetwork)"
-)
-DENIED_ADDRESS: Final = "denied address"  # how _forbidden names an address the deny list holds
 
 _UNREACHABLE_ERRNOS: Final = frozenset(
     {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.ENETDOWN}
@@ -215,11 +213,6 @@ def default_advice(entry: str) -> str:
     )
 
 
-def entry_for(host: str, port: int) -> str:
-    """The allowlist entry naming exactly `host` (a canonical name or address) on `port`."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProxyParams:
     """What one session's proxies need."""
@@ -275,23 +268,6 @@ async def system_resolver(host: str, port: int) -> list[IPAddress]:
 
 
 @dataclass(frozen=True, slots=True)
-class _Allowed:
-    addresses: tuple[IPAddress, ...]  # checked; dial these in order and nothing else
-
-
-@dataclass(frozen=True, slots=True)
-class _Refused:
-    host: str
-    reason: str
-    how_to_allow: str
-
-
-@dataclass(frozen=True, slots=True)
-class _Unresolved:
-    error: str
-
-
-@dataclass(frozen=True, slots=True)
 class _Listener:
     sock: socket.socket
     protocol: Protocol
@@ -338,7 +314,6 @@ class SessionProxies:
         self._listeners = listeners
         self._allowlist = params.allowlist
         self._asker = params.ask
-        self._deny_only = Allowlist(patterns=(), denied=params.allowlist.denied)
         self._resolver: Resolver = params.resolver or system_resolver
         by_kind = {(lst.protocol, lst.identity is None): lst for lst in listeners}
         tcp_http = by_kind.get(("http", True))
@@ -372,7 +347,7 @@ class SessionProxies:
         Raises:
             ValueError: `allowlist` has another deny list than the session's.
         """
-        if allowlist.denied != self._deny_only.denied:
+        if allowlist.denied != self._params.allowlist.denied:
             raise ValueError("a running session's egress deny list cannot change")
         self._allowlist = allowlist
 
@@ -502,23 +477,6 @@ class SessionProxies:
             if listener.identity is not None:
                 _remove_socket_file(listener.where, listener.identity)
 
-    # The guard beyond the peers.
-
-    def _forbidden(self, address: IPAddress, port: int) -> str | None:
-        """Why the proxy must not dial `address` on `port`, or None."""
-        listed = self._allowlist.allows(address, port)
-        if (
-            listed.allowed
-            and listed.rule is not None
-            and isinstance(listed.rule.pattern, IpLiteralPattern)
-        ):
-            return None  # the address itself is on the allowlist (and not on the deny list)
-        denied = self._deny_only.allows(address)
-        if denied.rule is not None:
-            return f"{DENIED_ADDRESS} ({denied.reason})"
-        why = forbidden_reason(address)
-        return None if why is None else f"{why} address"
-
 
 class _Connection:
     """One client connection: the handshake, then the relay."""
@@ -533,6 +491,9 @@ class _Connection:
         self._label = label
         self._loop = asyncio.get_running_loop()
         self._deadline = self._loop.time() + self._params.limits.handshake_timeout_s
+        self._upstream: socket.socket | None = None
+        self._addresses: tuple[IPAddress, ...] = ()  # checked: the only ones dialled
+        self._tunnel: tuple[str, int] | None = None  # (host as named, port) of an allowed tunnel
         if client.family in (socket.AF_INET, socket.AF_INET6):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -540,9 +501,6 @@ class _Connection:
         machine: HandshakeMachine = (
             HttpProxyMachine() if self._protocol == "http" else Socks5Machine()
         )
-        upstream: socket.socket | None = None
-        addresses: tuple[IPAddress, ...] = ()
-        tunnel: tuple[str, int] | None = None
         try:
             while True:
                 event = machine.next_event()
@@ -551,51 +509,13 @@ class _Connection:
                 elif isinstance(event, SendToClient):
                     await self._send(event.data)
                 elif isinstance(event, CheckEgress):
-                    verdict = await self._check(event)
-                    if isinstance(verdict, _Refused):
-                        how_to_allow = self._report(event, verdict)
-                        reply = machine.decide(False, verdict.reason, how_to_allow)
-                        return await self._close_with(reply)
-                    await self._send(machine.decide(True))
-                    if isinstance(verdict, _Unresolved):
-                        open_event = machine.next_event()
-                        assert isinstance(open_event, OpenUpstream)
-                        log.debug("%s: %s: %s", self._label, event.host, verdict.error)
-                        return await self._close_with(
-                            machine.upstream_result(False, UPSTREAM_UNREACHABLE)
-                        )
-                    addresses = verdict.addresses
-                    tunnel = (event.host, event.port) if event.kind == "connect" else None
+                    if not await self._answer_check(machine, event):
+                        return
                 elif isinstance(event, OpenUpstream):
-                    upstream, error = await self._dial(addresses, event.port)
-                    reply = machine.upstream_result(upstream is not None, error)
-                    if upstream is None:
-                        log.debug("%s: %s:%d: %s", self._label, event.host, event.port, error)
-                        return await self._close_with(reply)
-                    await self._send(reply)
+                    if not await self._answer_open(machine, event):
+                        return
                 elif isinstance(event, StartRelay):
-                    assert upstream is not None
-                    intercept = self._params.intercept
-                    handler = intercept(*tunnel) if intercept and tunnel else None
-                    if handler is not None:
-                        return await handler(self._client, upstream, event.to_upstream)
-                    result = await relay(
-                        self._client,
-                        upstream,
-                        to_upstream=event.to_upstream,
-                        to_client=event.to_client,
-                        idle_timeout_s=self._params.limits.idle_timeout_s,
-                        name=self._label,
-                    )
-                    log.debug(
-                        "%s: relay %s (%d bytes up, %d down) %s",
-                        self._label,
-                        result.outcome.value,
-                        result.to_upstream_bytes,
-                        result.to_client_bytes,
-                        result.error,
-                    )
-                    return
+                    return await self._start_relay(event)
                 else:
                     assert isinstance(event, ProtocolRefused)
                     log.debug("%s: refused: %s", self._label, event.reason)
@@ -603,8 +523,60 @@ class _Connection:
         except TimeoutError:
             log.debug("%s: handshake timed out", self._label)
         finally:
-            if upstream is not None:
-                upstream.close()
+            if self._upstream is not None:
+                self._upstream.close()
+
+    async def _answer_check(self, machine: HandshakeMachine, event: CheckEgress) -> bool:
+        """Decide `event` and answer the machine; whether the handshake goes on."""
+        verdict = await self._check(event)
+        if isinstance(verdict, Refused):
+            how_to_allow = self._report(event, verdict)
+            await self._close_with(machine.decide(False, verdict.reason, how_to_allow))
+            return False
+        if isinstance(verdict, Unresolvable):
+            log.debug("%s: %s: %s", self._label, event.host, verdict.error)
+            await self._close_with(machine.unreachable(UPSTREAM_UNREACHABLE))
+            return False
+        await self._send(machine.decide(True))
+        self._addresses = verdict.addresses
+        self._tunnel = (event.host, event.port) if event.kind == "connect" else None
+        return True
+
+    async def _answer_open(self, machine: HandshakeMachine, event: OpenUpstream) -> bool:
+        """Dial the checked addresses and answer the machine; whether the handshake goes on."""
+        self._upstream, error = await self._dial(self._addresses, event.port)
+        reply = machine.upstream_result(self._upstream is not None, error)
+        if self._upstream is None:
+            log.debug("%s: %s:%d: %s", self._label, event.host, event.port, error)
+            await self._close_with(reply)
+            return False
+        await self._send(reply)
+        return True
+
+    async def _start_relay(self, event: StartRelay) -> None:
+        """The handshake is over: serve the tunnel (a handler, or the relay) until it ends."""
+        upstream = self._upstream
+        assert upstream is not None
+        intercept = self._params.intercept
+        handler = intercept(*self._tunnel) if intercept and self._tunnel else None
+        if handler is not None:
+            return await handler(self._client, upstream, event.to_upstream)
+        result = await relay(
+            self._client,
+            upstream,
+            to_upstream=event.to_upstream,
+            to_client=event.to_client,
+            idle_timeout_s=self._params.limits.idle_timeout_s,
+            name=self._label,
+        )
+        log.debug(
+            "%s: relay %s (%d bytes up, %d down) %s",
+            self._label,
+            result.outcome.value,
+            result.to_upstream_bytes,
+            result.to_client_bytes,
+            result.error,
+        )
 
     # Client I/O during the handshake, bounded by its deadline.
 
@@ -631,21 +603,32 @@ class _Connection:
                         break
                     drained += len(chunk)
 
-    # The allowlist, the address guard and the dial.
+    # The decision (`guard`), its awaits, and the dial.
 
-    async def _check(self, event: CheckEgress) -> _Allowed | _Refused | _Unresolved:
+    async def _check(self, event: CheckEgress) -> Verdict:
+        """The guard's verdict on `event`: resolved if it asks, asked about if unlisted."""
         allowlist = self._proxies.allowlist
-        decision = allowlist.allows(event.host, event.port)
         asker = self._proxies._asker
-        if decision.allowed or asker is None or decision.rule is not None or allowlist.is_empty:
-            return await self._checked(event, decision)
-        # Not listed, not denied, network on: check the address as if it were listed, so that
-        # only a target an entry could allow is ever offered.
-        verdict = await self._checked(event, decision, listed=True)
-        if not isinstance(verdict, _Allowed):
-            return verdict  # refused outright, or an upstream failure: nothing to offer
-        ask = EgressAsk(host=decision.host, port=event.port, protocol=self._protocol,
-                        kind=event.kind)
+        first = check_target(allowlist, event.host, event.port, ask=asker is not None)
+        verdict = await self._resolve(allowlist, first) if isinstance(first, Resolve) else first
+        if asker is None or not isinstance(verdict, Allowed) or not verdict.ask:
+            return verdict
+        return await self._ask(asker, event, verdict)
+
+    async def _resolve(self, allowlist: Allowlist, resolve: Resolve) -> Verdict:
+        """Resolve a listed name once, within the handshake's deadline, and check the answers."""
+        try:
+            async with asyncio.timeout_at(self._deadline):
+                answers = await self._proxies._resolver(resolve.name, resolve.port)
+        except Exception as exc:  # any resolver failure is an upstream failure
+            return unresolvable(resolve.name, exc)
+        return check_answers(allowlist, resolve, answers)
+
+    async def _ask(self, asker: Asker, event: CheckEgress, verdict: Allowed) -> Verdict:
+        """Hold an unlisted target (one an entry could allow) until the one asked answers."""
+        ask = EgressAsk(
+            host=verdict.host, port=event.port, protocol=self._protocol, kind=event.kind
+        )
         started = self._loop.time()
         try:
             answer = await asker(ask)
@@ -654,51 +637,8 @@ class _Connection:
         self._deadline += self._loop.time() - started  # the wait is not the handshake's
         if answer.allowed:
             return verdict
-        return _Refused(decision.host, answer.reason or f"{ask.entry} was refused when asked",
-                        self._params.advice(ask.entry))
-
-    async def _checked(
-        self, event: CheckEgress, decision: Decision, *, listed: bool = False
-    ) -> _Allowed | _Refused | _Unresolved:
-        """The allowlist's decision (`listed`: taken as allowed), then the address guard."""
-        if not (decision.allowed or listed):
-            return _denied(decision, event.port, self._proxies.allowlist, self._params.advice)
-        try:
-            target = parse_host(event.host)
-        except InvalidHostName as exc:  # allows() refused these already; kept for safety
-            return _Refused(event.host, str(exc), "nothing: this is not a valid host name")
-        if not isinstance(target, str):
-            why = self._proxies._forbidden(target, event.port)
-            if why is not None:
-                return _Refused(
-                    str(target),
-                    f"{target} is a {why}; egress reaches such an address only when that "
-                    "address itself is on the allowlist",
-                    self._how_to_allow(why, entry_for(str(target), event.port)),
-                )
-            return _Allowed((target,))
-        try:
-            async with asyncio.timeout_at(self._deadline):
-                answers = await self._proxies._resolver(target, event.port)
-        except Exception as exc:  # any resolver failure is an upstream failure
-            return _Unresolved(f"cannot resolve {target}: {exc or type(exc).__name__}")
-        unique = tuple(dict.fromkeys(answers))
-        if not unique:
-            return _Unresolved(f"{target} has no addresses")
-        for address in unique:
-            why = self._proxies._forbidden(address, event.port)
-            if why is not None:
-                return _Refused(
-                    target,
-                    f"{target} resolves to {address}, a {why}; egress reaches such an address "
-                    "only when that address itself is on the allowlist",
-                    self._how_to_allow(why, entry_for(str(address), event.port)),
-                )
-        return _Allowed(unique)
-
-    def _how_to_allow(self, why: str, entry: str) -> str:
-        """The advice for an address the guard refused: none for a denied one."""
-        return NOTHING_DENIED if why.startswith(DENIED_ADDRESS) else self._params.advice(entry)
+        reason = answer.reason or f"{ask.entry} was refused when asked"
+        return Refused(host=verdict.host, reason=reason, entry=ask.entry)
 
     async def _dial(
         self, addresses: tuple[IPAddress, ...], port: int
@@ -734,11 +674,11 @@ class _Connection:
                     sock.close()
         return None, error
 
-    def _report(self, event: CheckEgress, refused: _Refused) -> str:
+    def _report(self, event: CheckEgress, refused: Refused) -> str:
         """Report a refusal through on_refused; return the advice for the client's reply."""
         params = self._params
         capability = _suggest(params, refused.host)
-        how_to_allow = refused.how_to_allow
+        how_to_allow = refused.nothing if refused.entry is None else params.advice(refused.entry)
         if capability is not None:
             how_to_allow += f"; or give the agent the {capability} capability"
         raw = (
@@ -762,16 +702,6 @@ class _Connection:
         except Exception:
             log.debug("%s: on_refused failed", self._label, exc_info=True)
         return how_to_allow
-
-
-def _denied(
-    decision: Decision, port: int, allowlist: Allowlist, advice: Callable[[str], str]
-) -> _Refused:
-    if decision.rule is not None:  # the deny list matched: no allowlist entry can help
-        return _Refused(decision.host, decision.reason, NOTHING_DENIED)
-    if allowlist.is_empty:  # the network is off: an entry would not be enough
-        return _Refused(decision.host, decision.reason, NOTHING_NETWORK_OFF)
-    return _Refused(decision.host, decision.reason, advice(entry_for(decision.host, port)))
 
 
 def _suggest(params: ProxyParams, host: str) -> str | None:

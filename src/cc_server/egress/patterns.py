@@ -480,6 +480,14 @@ class Allowlist:
                 return Decision(allowed=False, host=host, rule=None, reason=str(exc))
         else:
             target = host
+        return self.decide(target, port)
+
+    def decide(self, target: IPAddress | str, port: int | None = None) -> Decision:
+        """`allows` for a target `parse_host` returned already (an address, or a canonical name:
+        it is not parsed again).
+
+        Never raises.
+        """
         shown = str(target)
         for rule in self.denied:
             if _rule_matches(rule, target, deny=True):

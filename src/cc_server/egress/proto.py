@@ -9,7 +9,9 @@ is one of:
 - `SendToClient`: write these bytes to the client, then ask for the next event (the SOCKS5 method
   selection, which the client waits for before it sends its request).
 - `CheckEgress`: ask the session's allowlist; answer with `decide()`, which returns the bytes to
-  write to the client (the in-protocol refusal when denied, ``b""`` when allowed).
+  write to the client (the in-protocol refusal when denied, ``b""`` when allowed), or with
+  `unreachable()` when the target is not refused but has nothing to dial (the upstream-failure
+  reply).
 - `OpenUpstream`: dial exactly this host and port; answer with `upstream_result()`, which returns
   the bytes to write to the client (the success reply, or the failure reply).
 - `StartRelay`: write ``to_upstream`` upstream and ``to_client`` to the client, then relay raw
@@ -17,8 +19,9 @@ is one of:
 - `ProtocolRefused`: the client spoke the protocol wrongly or asked for something the proxy does
   not do; write ``reply`` (possibly empty) and close.
 
-A denial (`decide(allowed=False)`), an upstream failure (`upstream_result(ok=False)`) and
-`ProtocolRefused` end the conversation: the machine is `CLOSED` and answers nothing more.
+A denial (`decide(allowed=False)`), an upstream failure (`upstream_result(ok=False)`,
+`unreachable()`) and `ProtocolRefused` end the conversation: the machine is `CLOSED` and answers
+nothing more.
 
 Whose fault: anything the *client* gets wrong becomes a `ProtocolRefused` event carrying the
 reply to send; it is never raised. `ProtocolError` is raised only when the *driver* breaks the
@@ -285,17 +288,33 @@ class HandshakeMachine(abc.ABC):
         Raises `ProtocolError` unless the last event was `CheckEgress`.
         """
         with self._guard():
-            if self._state is not State.CHECKING or self._check is None:
-                raise ProtocolError(
-                    "driver bug: decide() without a pending CheckEgress "
-                    f"(state {self._state.value})"
-                )
+            check = self._pending_check("decide()")
             if not allowed:
                 self._state = State.CLOSED
-                return self._denied_reply(self._check, reason, how_to_allow)
+                return self._denied_reply(check, reason, how_to_allow)
             self._state = State.OPENING
-            self._queued = OpenUpstream(host=self._check.host, port=self._check.port)
+            self._queued = OpenUpstream(host=check.host, port=check.port)
             return b""
+
+    def unreachable(self, error: str = UPSTREAM_UNREACHABLE) -> bytes:
+        """Answer `CheckEgress` with: not refused, but there is nothing to dial (a name that
+        does not resolve); return the failure reply `upstream_result(False, error)` would, and
+        the machine is `CLOSED`.
+
+        Raises `ProtocolError` unless the last event was `CheckEgress`.
+        """
+        with self._guard():
+            check = self._pending_check("unreachable()")
+            self._state = State.CLOSED
+            return self._upstream_failed_reply(check, error)
+
+    def _pending_check(self, call: str) -> CheckEgress:
+        """The `CheckEgress` `call` answers; a driver bug if none is pending."""
+        if self._state is not State.CHECKING or self._check is None:
+            raise ProtocolError(
+                f"driver bug: {call} without a pending CheckEgress (state {self._state.value})"
+            )
+        return self._check
 
     def upstream_result(self, ok: bool, error: str = "") -> bytes:
         """Answer `OpenUpstream`; return the bytes to write to the client.

@@ -513,6 +513,23 @@ def assert_in_error(machine: HttpProxyMachine) -> None:
             call()
 
 
+def test_an_unreachable_target_gets_the_502_and_ends_the_conversation() -> None:
+    machine = checking_machine()
+    reply = machine.unreachable()
+    assert reply.startswith(b"HTTP/1.1 502 Bad Gateway\r\n")
+    assert reply.endswith(b"cc-server egress proxy could not connect to a.com:443: unreachable\n")
+    assert state(machine) is State.CLOSED
+    with pytest.raises(ProtocolError, match="over"):
+        machine.next_event()
+
+
+def test_unreachable_without_a_pending_check_is_a_driver_bug() -> None:
+    machine = HttpProxyMachine()
+    with pytest.raises(ProtocolError, match="unreachable"):
+        machine.unreachable()
+    assert_in_error(machine)
+
+
 def test_next_event_before_decide_is_a_driver_bug() -> None:
     machine = checking_machine()
     with pytest.raises(ProtocolError, match="decide"):

@@ -332,3 +332,16 @@ def test_an_exception_inside_the_machine_moves_it_to_error() -> None:
     with pytest.raises(TypeError):
         machine.receive_data(12)  # type: ignore[arg-type]
     assert_in_error(machine)
+
+
+def test_an_unreachable_target_gets_host_unreachable_and_ends_the_conversation() -> None:
+    machine = Socks5Machine()
+    machine.receive_data(GREETING)
+    assert machine.next_event() == SendToClient(data=METHOD_SELECTED)
+    assert machine.next_event() is NEED_DATA
+    machine.receive_data(domain(b"a.com"))
+    assert isinstance(machine.next_event(), CheckEgress)
+    assert machine.unreachable(UPSTREAM_UNREACHABLE) == socks5_reply(0x04)
+    assert state(machine) is State.CLOSED
+    with pytest.raises(ProtocolError, match="over"):
+        machine.next_event()
