@@ -20,11 +20,11 @@ from cc_server.dispatch.acp import (
     permission_for,
 )
 from cc_server.dispatch.harness import shell_argv
+from cc_server.dispatch.setup import config_from_env, default_agent_dirs
 from cc_server.dispatch.violations import MAX_KEPT, ViolationLog
 from cc_server.errors import BadSpec, ConfigError
 from cc_server.policy import HostFacts, Mode, SandboxBackend, SandboxSpec
 from cc_server.runtime.port import SandboxManager
-from cc_server.server.dispatch_api import _default_agent_dirs, config_from_env
 
 
 def test_operator_settings_come_from_the_environment(tmp_path: pathlib.Path) -> None:
@@ -65,10 +65,10 @@ def test_bad_operator_settings_are_refused(env: dict[str, str]) -> None:
 def test_an_npm_agent_gets_its_node_modules_tree_read_only() -> None:
     claude = NPM_MODULES / ".bin" / "claude"
     if claude.exists():
-        assert _default_agent_dirs((str(claude),)) == [str(NPM_MODULES)]
-    assert _default_agent_dirs(("/bin/sh", "-c", "relative")) in (["/bin"], ["/usr/bin"],
+        assert default_agent_dirs((str(claude),)) == [str(NPM_MODULES)]
+    assert default_agent_dirs(("/bin/sh", "-c", "relative")) in (["/bin"], ["/usr/bin"],
                                                                  ["/bin", "/usr/bin"])
-    assert _default_agent_dirs(("not-absolute",)) == []
+    assert default_agent_dirs(("not-absolute",)) == []
 
 
 @pytest.mark.parametrize(

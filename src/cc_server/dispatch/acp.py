@@ -74,6 +74,7 @@ __all__ = [
     "ExecutionTransport",
     "judge_tool_call",
     "permission_for",
+    "prompt_acp",
     "start_acp",
 ]
 
@@ -534,3 +535,18 @@ async def start_acp(run: DispatchRun) -> AcpSession:
         run.acp = None
         raise
     return session
+
+
+async def prompt_acp(run: DispatchRun, text: str) -> dict[str, Any]:
+    """One prompt to the run's ACP agent: its answer, the ACP exchanges so far and the
+    violations the prompt caused, as JSON data.
+
+    Raises:
+        BadSpec: the run has no ACP agent. EnforcementFailed: as `AcpSession.prompt`.
+    """
+    if run.acp is None:
+        raise BadSpec(f"run {run.run_id} has no ACP agent", fix="open it with agent 'acp'")
+    mark = run.violations.mark()
+    response = await run.acp.prompt(text)
+    return {"response": response, "acp": run.acp.to_json(),
+            "violations": [v.to_json() for v in run.violations.since(mark)]}

@@ -505,6 +505,10 @@ class DispatchService:
             raise BadSpec(f"no live dispatch run {run_id!r}", fix="open one (POST /v1/dispatches)")
         return run
 
+    def runs_using(self, worktree_id: str) -> list[str]:
+        """The ids of the live runs in the worktree (it is not removed while there are any)."""
+        return [r.run_id for r in self.runs.values() if r.worktree.worktree_id == worktree_id]
+
     async def close_run(self, run_id: str) -> bool:
         """Tear a run down: agent, terminals, sandbox and proxies, grant, state. Idempotent;
         False when unknown."""

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import os
 import posixpath
+from typing import Any, Final
+
+import msgspec
 
 from cc_server.dispatch._resolve import Resolver, default_resolver
 from cc_server.dispatch._tool_gate import (
@@ -40,16 +43,22 @@ from cc_server.dispatch._tool_search import (
 )
 from cc_server.dispatch.actions import WRITE_KINDS, ActionKind
 from cc_server.dispatch.guardrails import GuardrailChain
+from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy
 
 __all__ = [
     "MAX_READ_BYTES",
     "MAX_SEARCH_LINE_CHARS",
     "MAX_SEARCH_RESULTS",
+    "TOOL_NAMES",
     "FileToolError",
     "FileTools",
     "SearchMatch",
+    "ToolRequest",
+    "call_tool",
 ]
+
+TOOL_NAMES: Final = ("read", "write", "edit", "apply_patch", "search", "find", "search_files")
 
 
 class FileTools:
@@ -228,3 +237,53 @@ class FileTools:
             ActionRefused: the search root is refused.
         """
         return find_paths(self._gate, kind, glob, path)
+
+
+# The arguments of one tool call through the API (each tool reads the ones it needs); no
+# docstring, as it would become the OpenAPI schema's description.
+class ToolRequest(msgspec.Struct, rename="camel", forbid_unknown_fields=True, kw_only=True):
+    path: str | None = None  # guest path (absolute, or relative to the worktree)
+    content: str | None = None  # write
+    old: str | None = None  # edit
+    new: str | None = None  # edit
+    count: int = 1  # edit
+    offset: int = 0  # read: first line (0-based)
+    limit: int | None = None  # read: at most this many lines
+    patch: str | None = None  # apply_patch
+    pattern: str | None = None  # search
+    glob: str | None = None  # find
+    query: str | None = None  # search_files
+
+
+def _need(value: Any, name: str, tool: str) -> Any:
+    if value is None:
+        raise BadSpec(f"the {tool} tool needs {name!r}")
+    return value
+
+
+def call_tool(tools: FileTools, tool: str, b: ToolRequest) -> dict[str, Any]:
+    """One call of the tool named `tool` (one of TOOL_NAMES), its answer as JSON data.
+
+    Raises:
+        BadSpec: an argument the tool needs is missing; what the tool raises.
+    """
+    if tool == "read":
+        return {"content": tools.read(_need(b.path, "path", tool), offset=b.offset,
+                                      limit=b.limit)}
+    if tool == "write":
+        tools.write(_need(b.path, "path", tool), _need(b.content, "content", tool))
+        return {"ok": True}
+    if tool == "edit":
+        tools.edit(_need(b.path, "path", tool), _need(b.old, "old", tool),
+                   _need(b.new, "new", tool), count=b.count)
+        return {"ok": True}
+    if tool == "apply_patch":
+        return {"files": tools.apply_patch(_need(b.patch, "patch", tool))}
+    if tool == "search":
+        matches = tools.search(_need(b.pattern, "pattern", tool), b.path)
+        return {"matches": [msgspec.to_builtins(m) for m in matches]}
+    if tool == "find":
+        return {"paths": tools.find(_need(b.glob, "glob", tool), b.path)}
+    if tool == "search_files":
+        return {"paths": tools.search_files(_need(b.query, "query", tool), b.path)}
+    raise BadSpec(f"no file tool {tool!r}", fix=f"use one of {', '.join(TOOL_NAMES)}")

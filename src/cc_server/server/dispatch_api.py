@@ -42,28 +42,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
-import shlex
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Final
 
 import msgspec
 from aiohttp import web
 
-from cc_server.dispatch.acp import start_acp
+from cc_server.dispatch.acp import prompt_acp
 from cc_server.dispatch.actions import ActionRefused
 from cc_server.dispatch.claude import run_claude
-from cc_server.dispatch.credentials import CredentialBroker, remove_stale_grant_dirs
-from cc_server.dispatch.model_credentials import ModelCredentials
-from cc_server.dispatch.service import AgentKind, DispatchConfig, DispatchService
-from cc_server.dispatch.tools import FileTools
-from cc_server.dispatch.worktrees import WorktreeManager
-from cc_server.egress.operator import OperatorEgress
-from cc_server.errors import BadSpec, ConfigError
+from cc_server.dispatch.service import AgentKind, DispatchService
+from cc_server.dispatch.setup import open_dispatch_run, open_service
+from cc_server.dispatch.tools import TOOL_NAMES, ToolRequest, call_tool
+from cc_server.errors import BadSpec
 from cc_server.policy import AgentCapabilities, Mode
-from cc_server.policy.paths import is_within
-from cc_server.runtime.egress import egress_base_dir
 from cc_server.runtime.port import SandboxManager
 from cc_server.server.egress_api import answer_request, change_egress, egress_view
 from cc_server.server.logs import log_event
@@ -73,7 +66,6 @@ from cc_server.server.status import Refused, refusal
 __all__ = [
     "DISPATCH",
     "REQUEST_MODELS",
-    "config_from_env",
     "install_dispatch",
     "openapi_paths",
     "routes",
@@ -121,81 +113,8 @@ class BashRequest(_Body):
     max_output_bytes: int | None = None
 
 
-class ToolRequest(_Body):
-    path: str | None = None  # guest path (absolute, or relative to the worktree)
-    content: str | None = None  # write
-    old: str | None = None  # edit
-    new: str | None = None  # edit
-    count: int = 1  # edit
-    offset: int = 0  # read: first line (0-based)
-    limit: int | None = None  # read: at most this many lines
-    patch: str | None = None  # apply_patch
-    pattern: str | None = None  # search
-    glob: str | None = None  # find
-    query: str | None = None  # search_files
-
-
 class PromptRequest(_Body):
     text: str
-
-
-# --- configuration -------------------------------------------------------------------------------
-
-
-def _default_agent_dirs(argv: tuple[str, ...]) -> list[str]:
-    """The directories an agent command needs read-only: for every absolute word that exists,
-    its `node_modules` tree when it lives in one (a package's imports), else its directory."""
-    dirs: list[str] = []
-    for word in argv:
-        if not os.path.isabs(word) or not os.path.exists(word):
-            continue
-        for path in dict.fromkeys((os.path.abspath(word), os.path.realpath(word))):
-            marker = "/node_modules/"
-            root = path[: path.index(marker) + len(marker) - 1] if marker in path \
-                else os.path.dirname(path)
-            if root not in dirs and not any(is_within(root, d) for d in dirs):
-                dirs.append(root)
-    return dirs
-
-
-def config_from_env(
-    environ: Mapping[str, str], allow_domains: Sequence[str] = ()
-) -> tuple[DispatchConfig, str, str | None]:
-    """The dispatch config, the worktree directory and the GitHub token file, from the server's
-    environment and the `--dispatch-allow-domain` patterns.
-
-    Raises:
-        ConfigError: a configured path is not absolute, the agent command does not parse, or
-            the model key file is unusable.
-        BadSpec: a dispatch egress setting is malformed (InvalidPattern for an allowlist entry).
-    """
-    claude = environ.get("CC_SERVER_CLAUDE_PATH") or None
-    if claude is not None and not os.path.isabs(claude):
-        raise ConfigError(f"CC_SERVER_CLAUDE_PATH must be absolute, got {claude!r}")
-    acp_line = environ.get("CC_SERVER_ACP_AGENT") or None
-    try:
-        acp_argv = tuple(shlex.split(acp_line)) if acp_line else None
-    except ValueError as exc:
-        raise ConfigError(f"CC_SERVER_ACP_AGENT does not parse: {exc}") from None
-    state_home = environ.get("XDG_STATE_HOME") or os.path.join(
-        environ.get("HOME") or os.path.expanduser("~"), ".local", "state")
-    base = environ.get("CC_SERVER_DISPATCH_DIR") or os.path.join(state_home, "cc-server")
-    if not os.path.isabs(base):
-        raise ConfigError(f"CC_SERVER_DISPATCH_DIR must be absolute, got {base!r}")
-    explicit = [d for d in (environ.get("CC_SERVER_AGENT_DIRS") or "").split(":") if d]
-    agent_dirs = explicit or [
-        *(_default_agent_dirs((claude,)) if claude else []),
-        *(_default_agent_dirs(acp_argv) if acp_argv else []),
-    ]
-    token_file = environ.get("CC_SERVER_GITHUB_TOKEN_FILE") or None
-    egress = OperatorEgress.build(allow_domains, environ)
-    config = DispatchConfig(
-        state_base=os.path.join(base, "runs"), claude_path=claude, acp_agent=acp_argv,
-        agent_dirs=tuple(dict.fromkeys(os.path.realpath(d) for d in agent_dirs)),
-        operator_egress=egress,
-        model_credentials=ModelCredentials.from_env(environ, egress),
-    )
-    return config, os.path.join(base, "worktrees"), token_file
 
 
 def install_dispatch(app: web.Application, manager: SandboxManager, *,
@@ -206,27 +125,12 @@ def install_dispatch(app: web.Application, manager: SandboxManager, *,
     app.
 
     Raises:
-        ConfigError: the dispatch configuration is wrong (BadSpec: its egress patterns).
-        EnforcementFailed: the dispatch directory is not private.
-        BackendUnavailable: no way to make worktrees here.
+        what `dispatch.setup.open_service` raises.
     """
-    config, worktree_dir, token_file = config_from_env(environ, allow_domains)
+    service = open_service(manager, server_private=server_private, environ=environ,
+                           allow_domains=allow_domains)
+    worktrees, config = service.worktrees, service.config
     creds = config.model_credentials
-    private = (*server_private, *([creds.key_file] if creds is not None else []))
-    config = dataclasses.replace(config, server_private=private)
-    remove_stale_grant_dirs(egress_base_dir())
-    os.makedirs(os.path.dirname(worktree_dir), mode=0o700, exist_ok=True)
-    worktrees = WorktreeManager(base=worktree_dir)  # re-mounts the overlays a killed server left
-    try:
-        service = DispatchService(
-            manager=manager, worktrees=worktrees,
-            broker=CredentialBroker(base_dir=egress_base_dir(), github_token_file=token_file),
-            config=config,
-            environ=environ,
-        )
-    except BaseException:
-        worktrees.close()  # a server that does not start leaves no mount
-        raise
     if worktrees.choice is not None:
         log_event("dispatch", worktrees.choice.describe(), strategy=str(worktrees.strategy))
     egress = config.operator_egress
@@ -320,7 +224,7 @@ async def remove_worktree(request: web.Request) -> web.StreamResponse:
     """Remove a worktree (idempotent); refused while a live run uses it."""
     service = _service(request)
     key = request.match_info["id"]
-    users = [r.run_id for r in service.runs.values() if r.worktree.worktree_id == key]
+    users = service.runs_using(key)
     if users:
         raise Refused(409, "Conflict", f"worktree {key!r} is used by {users}",
                       "close those dispatch runs first")
@@ -339,14 +243,9 @@ async def open_dispatch(request: web.Request) -> web.StreamResponse:
     body: OpenDispatch = await _body(request, OpenDispatch)
     if body.worktree_id not in service.worktrees.worktrees:
         raise _not_found("worktree", body.worktree_id)
-    run = await service.open_run(worktree_id=body.worktree_id, agent=body.agent, mode=body.mode,
-                                 capabilities=body.capabilities, workspace_id=body.workspace_id)
-    if run.agent is AgentKind.ACP:
-        try:
-            await start_acp(run)
-        except BaseException:
-            await service.close_run(run.run_id)
-            raise
+    run = await open_dispatch_run(service, worktree_id=body.worktree_id, agent=body.agent,
+                                  mode=body.mode, capabilities=body.capabilities,
+                                  workspace_id=body.workspace_id)
     log_event("dispatch.opened", f"run {run.run_id} ({run.agent}, {run.backend})",
               runId=run.run_id, agent=str(run.agent), backend=str(run.backend))
     return web.json_response(_run_json(run), status=201,
@@ -452,44 +351,17 @@ async def bash(request: web.Request) -> web.StreamResponse:
     return web.json_response({**result.to_json(), "backend": str(run.backend)})
 
 
-def _need(value: Any, name: str, tool: str) -> Any:
-    if value is None:
-        raise BadSpec(f"the {tool} tool needs {name!r}")
-    return value
-
-
 @routes.post("/v1/dispatches/{id}/tools/{tool}")
 async def file_tool(request: web.Request) -> web.StreamResponse:
     """One in-process file tool call."""
     run = _run(request)
     tool = request.match_info["tool"]
     b: ToolRequest = await _body(request, ToolRequest)
+    if tool not in TOOL_NAMES:
+        raise _not_found("tool", tool)
     # The tools block (a search may run up to its deadline): off the event loop.
     with _refusals_of(run):
-        return web.json_response(await asyncio.to_thread(_call_tool, run.tools, tool, b))
-
-
-def _call_tool(tools: FileTools, tool: str, b: ToolRequest) -> Any:
-    if tool == "read":
-        return {"content": tools.read(_need(b.path, "path", tool), offset=b.offset,
-                                      limit=b.limit)}
-    if tool == "write":
-        tools.write(_need(b.path, "path", tool), _need(b.content, "content", tool))
-        return {"ok": True}
-    if tool == "edit":
-        tools.edit(_need(b.path, "path", tool), _need(b.old, "old", tool),
-                   _need(b.new, "new", tool), count=b.count)
-        return {"ok": True}
-    if tool == "apply_patch":
-        return {"files": tools.apply_patch(_need(b.patch, "patch", tool))}
-    if tool == "search":
-        matches = tools.search(_need(b.pattern, "pattern", tool), b.path)
-        return {"matches": [msgspec.to_builtins(m) for m in matches]}
-    if tool == "find":
-        return {"paths": tools.find(_need(b.glob, "glob", tool), b.path)}
-    if tool == "search_files":
-        return {"paths": tools.search_files(_need(b.query, "query", tool), b.path)}
-    raise _not_found("tool", tool)
+        return web.json_response(await asyncio.to_thread(call_tool, run.tools, tool, b))
 
 
 @routes.post("/v1/dispatches/{id}/acp/prompt")
@@ -497,12 +369,7 @@ async def acp_prompt(request: web.Request) -> web.StreamResponse:
     """One prompt to the run's ACP agent."""
     run = _run(request)
     body: PromptRequest = await _body(request, PromptRequest)
-    if run.acp is None:
-        raise BadSpec(f"run {run.run_id} has no ACP agent", fix="open it with agent 'acp'")
-    mark = run.violations.mark()
-    response = await run.acp.prompt(body.text)
-    return web.json_response({"response": response, "acp": run.acp.to_json(),
-                              "violations": [v.to_json() for v in run.violations.since(mark)]})
+    return web.json_response(await prompt_acp(run, body.text))
 
 
 # --- OpenAPI -------------------------------------------------------------------------------------
@@ -604,9 +471,8 @@ def openapi_paths(ref: Any) -> dict[str, Any]:
         },
         "/v1/dispatches/{id}/tools/{tool}": {
             "parameters": [run_id, {"name": "tool", "in": "path", "required": True,
-                                    "schema": {"type": "string", "enum": [
-                                        "read", "write", "edit", "apply_patch", "search",
-                                        "find", "search_files"]}}],
+                                    "schema": {"type": "string",
+                                               "enum": list(TOOL_NAMES)}}],
             "post": {"summary": "One in-process file tool call (outside any sandbox; the tool "
                                 "enforces the run's policy itself)",
                      "requestBody": body(ToolRequest),
