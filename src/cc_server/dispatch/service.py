@@ -387,16 +387,7 @@ class DispatchService:
                 secret-like variable's value into the run's.
             CcServerError: anything else that kept the sandbox from starting.
         """
-        if len(self.runs) >= MAX_RUNS:
-            raise LimitReached(f"{MAX_RUNS} runs are live",
-                               fix="close one (DELETE /v1/dispatches/ID)")
-        worktree = self.worktrees.get(worktree_id)
-        argv = self.config.agent_argv(agent)
-        if agent is not AgentKind.HARNESS and argv is None:
-            raise ConfigError(
-                f"no {agent} agent is configured on this server",
-                fix="set CC_SERVER_CLAUDE_PATH or CC_SERVER_ACP_AGENT and restart",
-            )
+        worktree, argv = self._admit_run(worktree_id, agent)
         run_id = f"run-{secrets.token_hex(8)}"
         notices: NoticeFile | None = None
         model: ModelBroker | None = None
@@ -405,19 +396,10 @@ class DispatchService:
         caps = capabilities or AgentCapabilities.safe_default()
         try:
             os.mkdir(os.path.join(state_dir, ".claude"), 0o700)
-            make_spec = functools.partial(
-                self.spec_for,
-                run_id,
-                worktree,
-                workspace_id=workspace_id,
-                mode=mode,
-                capabilities=caps,
+            spec, grant, ca_env = self._spec_and_grant(
+                run_id, worktree, workspace_id=workspace_id, mode=mode, capabilities=caps,
                 state_dir=state_dir,
             )
-            grant = self.broker.grant(make_spec(), run_id)
-            ca_env, ca_binds = self.ca_bundle_binds()
-            spec = make_spec(extra_binds=(*grant.bind_mounts, *ca_binds))
-            self._check_private(spec)
             egress = self.config.operator_egress
             if self.config.model_credentials is not None and agent is not AgentKind.HARNESS:
                 model = ModelBroker(self.config.model_credentials, state_dir, environ=ca_env)
@@ -430,54 +412,23 @@ class DispatchService:
                 operator_egress=egress,
             )
             if model is not None and handle.backend is SandboxBackend.NONE:
-                # No proxy to swap the sentinel in: the agent gets no model key at all.
-                log.warning("dispatch: run %s has no sandbox; its model key is not brokered",
-                            run_id)
-                model.revoke()
+                _unbroker(model, run_id)
                 model = None
             self.broker.admit(run_id, handle.sandbox_peers)  # its sandbox asks, nothing else
-            violations = ViolationLog(run_id, spec.session_id,
-                                      conversation_id=worktree.conversation_id)
-            for seen in handle.violations:  # none yet: nothing has run
-                violations.sandbox(seen)
-            handle.violation_listeners.append(violations.sandbox)
-            chain = standard_chain(handle.policy, extra=self.config.guardrails)
-            if argv is not None:
-                chain.check(
-                    Action(
-                        kind=ActionKind.BASH, tool="bash", session_id=run_id, mode=mode, argv=argv
-                    )
-                )
-            if agent is not AgentKind.HARNESS:
-                # The agent's model hears of each refusal from the notice hook (seam 1 passes it
-                # with --settings; the ACP adapter's Claude Code reads the user settings).
-                notices = NoticeFile(state_dir)
-                violations.listeners.append(notices.append)
-                if agent is AgentKind.ACP:
-                    with open(os.path.join(state_dir, ".claude", "settings.json"), "x") as f:
-                        json.dump(hook_settings(state_dir), f)
+            violations = _watch_violations(run_id, spec, worktree, handle)
+            chain = self._launch_chain(handle, run_id, mode, argv)
+            notices = _open_notices(agent, state_dir, violations)
             inherit = agent is AgentKind.CLAUDE and handle.backend is SandboxBackend.NONE
             env = self.agent_env(state_dir, grant, inherit_host=inherit, ca_env=ca_env,
                                  brokered=model.env if model is not None else None)
             harness_env = self.agent_env(state_dir, grant, inherit_host=False, ca_env=ca_env)
             run = DispatchRun(
-                run_id=run_id,
-                agent=agent,
-                worktree=worktree,
-                spec=spec,
-                handle=handle,
-                chain=chain,
-                tools=FileTools(handle.policy, chain),
+                run_id=run_id, agent=agent, worktree=worktree, spec=spec, handle=handle,
+                chain=chain, tools=FileTools(handle.policy, chain),
                 harness=HarnessBash(handle, chain, mode=mode, env=harness_env, cwd=worktree.path),
-                grant=grant,
-                env=env,
-                state_dir=state_dir,
-                agent_argv=argv,
-                violations=violations,
-                server_environ=self.environ,
-                agent_prefix=self.agent_prefix(handle.backend),
-                notices=notices,
-                model=model,
+                grant=grant, env=env, state_dir=state_dir, agent_argv=argv,
+                violations=violations, server_environ=self.environ,
+                agent_prefix=self.agent_prefix(handle.backend), notices=notices, model=model,
             )
         except BaseException:
             if model is not None:
@@ -488,6 +439,61 @@ class DispatchService:
             raise
         self.runs[run_id] = run
         return run
+
+    def _admit_run(
+        self, worktree_id: str, agent: AgentKind
+    ) -> tuple[Worktree, tuple[str, ...] | None]:
+        """The worktree and the agent's argv of a run about to open, if one may (see `open_run`:
+        LimitReached, BadSpec, ConfigError)."""
+        if len(self.runs) >= MAX_RUNS:
+            raise LimitReached(f"{MAX_RUNS} runs are live",
+                               fix="close one (DELETE /v1/dispatches/ID)")
+        worktree = self.worktrees.get(worktree_id)
+        argv = self.config.agent_argv(agent)
+        if agent is not AgentKind.HARNESS and argv is None:
+            raise ConfigError(
+                f"no {agent} agent is configured on this server",
+                fix="set CC_SERVER_CLAUDE_PATH or CC_SERVER_ACP_AGENT and restart",
+            )
+        return worktree, argv
+
+    def _spec_and_grant(
+        self,
+        run_id: str,
+        worktree: Worktree,
+        *,
+        workspace_id: str,
+        mode: Mode,
+        capabilities: AgentCapabilities,
+        state_dir: str,
+    ) -> tuple[SandboxSpec, Grant, dict[str, str]]:
+        """The run's spec with its credential grant's and the CA bundle's binds, the grant, and
+        the CA-bundle variables (BadSpec: the spec would show the server's private files)."""
+        make_spec = functools.partial(
+            self.spec_for,
+            run_id,
+            worktree,
+            workspace_id=workspace_id,
+            mode=mode,
+            capabilities=capabilities,
+            state_dir=state_dir,
+        )
+        grant = self.broker.grant(make_spec(), run_id)
+        ca_env, ca_binds = self.ca_bundle_binds()
+        spec = make_spec(extra_binds=(*grant.bind_mounts, *ca_binds))
+        self._check_private(spec)
+        return spec, grant, ca_env
+
+    def _launch_chain(
+        self, handle: SandboxHandle, run_id: str, mode: Mode, argv: tuple[str, ...] | None
+    ) -> GuardrailChain:
+        """The run's guardrail chain, the agent's launch checked against it (ActionRefused)."""
+        chain = standard_chain(handle.policy, extra=self.config.guardrails)
+        if argv is not None:
+            chain.check(
+                Action(kind=ActionKind.BASH, tool="bash", session_id=run_id, mode=mode, argv=argv)
+            )
+        return chain
 
     async def _release(self, run_id: str, state_dir: str) -> None:
         """Destroy a run's sandbox (its proxies), revoke its grant, remove its state directory.
@@ -542,3 +548,39 @@ class DispatchService:
                 self.broker.close()
             finally:
                 self.worktrees.close()
+
+
+def _open_notices(agent: AgentKind, state_dir: str, violations: ViolationLog) -> NoticeFile | None:
+    """An agent's notice file, fed every refusal of the run: its model hears of each from the
+    notice hook (seam 1 passes it with --settings; the ACP adapter's Claude Code reads the user
+    settings, written here). None for the harness, which has no model."""
+    if agent is AgentKind.HARNESS:
+        return None
+    notices = NoticeFile(state_dir)
+    try:
+        violations.listeners.append(notices.append)
+        if agent is AgentKind.ACP:
+            with open(os.path.join(state_dir, ".claude", "settings.json"), "x") as f:
+                json.dump(hook_settings(state_dir), f)
+    except BaseException:
+        notices.close()
+        raise
+    return notices
+
+
+def _watch_violations(
+    run_id: str, spec: SandboxSpec, worktree: Worktree, handle: SandboxHandle
+) -> ViolationLog:
+    """The run's violation log, fed by its sandbox from now on."""
+    violations = ViolationLog(run_id, spec.session_id, conversation_id=worktree.conversation_id)
+    for seen in handle.violations:  # none yet: nothing has run
+        violations.sandbox(seen)
+    handle.violation_listeners.append(violations.sandbox)
+    return violations
+
+
+def _unbroker(model: ModelBroker, run_id: str) -> None:
+    """Revoke a run's model broker: without a sandbox there is no proxy to swap the sentinel
+    in, so its agent gets no model key at all."""
+    log.warning("dispatch: run %s has no sandbox; its model key is not brokered", run_id)
+    model.revoke()
