@@ -9,7 +9,8 @@ import signal
 
 
 def daemon_pids(runtime: pathlib.Path) -> list[int]:
-    """The daemons serving sockets under `runtime` (their argv names the socket path)."""
+    """The daemons serving sockets under `runtime` (their argv names the socket path), not their
+    children on their way to another program."""
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -20,7 +21,16 @@ def daemon_pids(runtime: pathlib.Path) -> list[int]:
             continue
         if b"cc_server.cli_daemon" in argv and any(str(runtime).encode() in a for a in argv):
             found.append(int(entry))
-    return found
+    # A daemon's child between fork and exec (a sandbox being started) has the daemon's argv.
+    return [pid for pid in found if _parent(pid) not in found]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def kill_daemons(runtime: pathlib.Path) -> None:

@@ -533,15 +533,18 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+def parse_args(
+    argv: Sequence[str] | None, top: argparse.ArgumentParser | None = None
+) -> argparse.Namespace:
     """The command line, with `run` and `plan` options filled from the settings files (the
-    per-user file, then `--settings FILE`; see cc_server.settings).
+    per-user file, then `--settings FILE`; see cc_server.settings). `top` is `parser()`, made
+    once by a caller that parses many command lines (the CLI daemon); parsing leaves it as is.
 
     Raises:
         BadSpec: a settings file is unreadable, not TOML, or holds an unknown key or bad value.
         SystemExit: argparse's usage errors and `--help`.
     """
-    top = parser()
+    top = parser() if top is None else top
     args = top.parse_args(argv)
     if args.verb not in ("run", "plan"):
         return args

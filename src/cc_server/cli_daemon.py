@@ -13,6 +13,16 @@ client's own descriptors, violations and errors written to the client's stderr, 
 sent back. A forwarded signal ends the
 command (SIGTERM first, then SIGKILL after a grace period); a client that goes away kills it.
 
+A run's sandbox takes most of a run's time to start (bubblewrap, the session's proxies, the
+write policy's supervisor), so after a native run that ended by itself the daemon starts a spare:
+a sandbox of the same spec in a session of its own, no command run in it. The next request is
+still parsed, checked and compiled in full; it takes the spare only when its spec is the spare's
+and its compiled policy is the spare's (so the host has not changed what the spec means), and its
+command runs there only when its plan is the spare sandbox's and the sandbox's mounts are as they
+were (`SandboxHandle.session_sandbox`, as for any session's second command). Each sandbox serves
+one command and is destroyed after it, as before. A spare nobody takes within `SPARE_KEEP_S` is
+destroyed (its mounts would keep the binds' filesystems busy).
+
 The socket is bound under a temporary name and hard-linked into place, so of two daemons started
 at once exactly one serves; the other exits. The daemon exits after `IDLE_EXIT_S` with no client,
 removing its socket (only if the name still points at its own).
@@ -28,23 +38,66 @@ import signal
 import socket
 import struct
 import sys
-from typing import Any, Final
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Final
 
 from cc_server.backends import peer
 from cc_server.backends.fdpass import wait_readable
 from cc_server.cli_socket import receive_message, send_message
 from cc_server.rundir import names_of_dead_owners
 
+if TYPE_CHECKING:
+    from cc_server.policy import CompiledPolicy, SandboxBackend, SandboxSpec
+    from cc_server.runtime.handle import SandboxHandle
+
 __all__ = ["main"]
 
 IDLE_EXIT_S: Final = 300.0
 MESSAGE_TIMEOUT_S: Final = 5.0  # the rest of a message, once its first byte is readable
 SIGNAL_GRACE_S: Final = 2.0  # a forwarded signal: SIGTERM, then SIGKILL after this
+SPARE_KEEP_S: Final = 30.0  # a spare sandbox nobody took is destroyed after this
 _PEERCRED: Final = struct.Struct("3i")
+_ANY_SESSION: Final = "spare"  # what a spare's spec and policy are compared under
+
+
+@dataclass(frozen=True)
+class _SpareOrder:
+    """What a run's sandbox was made of: a spare made of the same serves the next such run."""
+
+    spec: SandboxSpec
+    backend: SandboxBackend | None
+    deny_create: tuple[str, ...]
+    key: tuple[object, ...] = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        import msgspec
+
+        spec = msgspec.structs.replace(self.spec, session_id=_ANY_SESSION)
+        object.__setattr__(self, "key", (spec, self.backend, self.deny_create))
+
+
+@dataclass
+class _Spare:
+    """A sandbox started for the next run like `order`'s, before that run asks."""
+
+    order: _SpareOrder
+    task: asyncio.Task[SandboxHandle | None]
+    expires: float  # time.monotonic(): destroyed unused after this
+
+
+def _session_id() -> str:
+    return f"cli-{os.getpid()}-{os.urandom(4).hex()}"  # as cli_spec.build_spec names one
+
+
+def _sessionless(handle: SandboxHandle) -> CompiledPolicy:
+    return replace(handle.policy, session_id=_ANY_SESSION)
 
 
 class _Daemon:
     def __init__(self, path: str, listener: socket.socket) -> None:
+        from cc_server import cli
         from cc_server.backends.probe import probe
         from cc_server.policy import HostFacts
         from cc_server.runtime.port import SandboxManager
@@ -55,6 +108,9 @@ class _Daemon:
         self.peers = peer.SameNamespaces()
         self.manager = SandboxManager(probe_result=probe(), host=HostFacts.current())
         self.microvm_probing = asyncio.Lock()  # one probe at a time; an available one is kept
+        self.parser = cli.parser()  # made once: parsing leaves it as it is
+        self.spare: _Spare | None = None
+        self.tasks: asyncio.TaskGroup | None = None
         self.active = 0
         self.stopping = False
         self.idle = asyncio.Event()
@@ -63,6 +119,7 @@ class _Daemon:
     async def serve(self) -> None:
         loop = asyncio.get_running_loop()
         async with asyncio.TaskGroup() as tg:
+            self.tasks = tg
             accepting = tg.create_task(self._accept(loop, tg))
             while not self.stopping:
                 await self.idle.wait()
@@ -70,10 +127,13 @@ class _Daemon:
                     async with asyncio.timeout(IDLE_EXIT_S):
                         while self.idle.is_set() and not self.stopping:
                             await asyncio.sleep(1)
+                            self._expire_spare()
                 except TimeoutError:
                     break
             accepting.cancel()
-        self._unlink()
+            self._unlink()
+        self.tasks = None
+        await self._drop_spare()
         await self.manager.aclose()
 
     def _unlink(self) -> None:
@@ -111,10 +171,14 @@ class _Daemon:
                 return
             if len(fds) != 3:
                 return
-            code = await self._run(client, request, (fds[0], fds[1], fds[2]))
-            with contextlib.suppress(OSError):
+            code, spare = await self._run(client, request, (fds[0], fds[1], fds[2]))
+            try:
                 client.settimeout(MESSAGE_TIMEOUT_S)
                 send_message(client, {"exit": code})
+            except OSError:
+                spare = None  # the client is gone: nobody runs the next command
+            if spare is not None:
+                await self._replace_spare(spare)
         except (EOFError, ValueError, OSError):
             pass
         finally:
@@ -127,7 +191,9 @@ class _Daemon:
 
     async def _run(
         self, client: socket.socket, request: dict[str, Any], stdio: tuple[int, int, int]
-    ) -> int:
+    ) -> tuple[int, _SpareOrder | None]:
+        """Run the request's command; its exit code, and what the next run's spare is made
+        of (None when this run cannot have one)."""
         from cc_server import cli
         from cc_server.cli_violations import print_live
         from cc_server.errors import CcServerError
@@ -136,16 +202,23 @@ class _Daemon:
         err = os.fdopen(os.dup(stdio[2]), "w", buffering=1, closefd=True)
         with err:
             try:
-                args, spec = _parse(request, err)
+                args, spec = _parse(request, err, self.parser)
             except SystemExit as exc:  # argparse's usage errors, already printed to `err`
-                return exc.code if isinstance(exc.code, int) else cli.EXIT_USAGE
+                return (exc.code if isinstance(exc.code, int) else cli.EXIT_USAGE), None
             except CcServerError as exc:
                 print(f"cc-server: {type(exc).__name__}: {exc}", file=err)
-                return cli.exit_code_for(exc)
+                return cli.exit_code_for(exc), None
             env = request.get("env")
             environ = env if isinstance(env, dict) else {}
             environ = {**environ, "PATH": os.environ.get("PATH", "")}  # keyed: the client's own
             requested = SandboxBackend(args.backend) if args.backend else None
+            # A spare: the sandbox of a spec given whole by the options (a --spec file names
+            # its own session), on the native backend.
+            order = (
+                _SpareOrder(spec, requested, tuple(args.deny_create))
+                if args.spec is None and requested in (None, SandboxBackend.NATIVE)
+                else None
+            )
             handle = None
             try:
                 if requested is SandboxBackend.MICROVM:
@@ -153,6 +226,8 @@ class _Daemon:
                 handle = self.manager.launch(
                     spec, backend=requested, deny_create_globs=args.deny_create
                 )
+                if order is not None:
+                    handle = await self._take_spare(order, handle)
                 live = print_live(handle, err)  # each violation as it happens
                 relay = requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
                 execution = handle.exec(
@@ -161,7 +236,8 @@ class _Daemon:
                     timeout_s=args.timeout,
                 )
                 async with execution:
-                    watcher = asyncio.create_task(_watch_client(client, execution))
+                    interrupted = asyncio.Event()  # by a forwarded signal, or the client gone
+                    watcher = asyncio.create_task(_watch_client(client, execution, interrupted))
                     try:
                         if relay:
                             await cli.relay_stdio(execution, stdio)
@@ -170,13 +246,99 @@ class _Daemon:
                         watcher.cancel()
                         await asyncio.wait([watcher])
                 live.rest(handle)
-                return code
+                return code, None if interrupted.is_set() else order
             except CcServerError as exc:
                 print(f"cc-server: {type(exc).__name__}: {exc}", file=err)
-                return cli.exit_code_for(exc)
+                return cli.exit_code_for(exc), None
             finally:
                 if handle is not None:
                     await self.manager.destroy(handle.session_id)
+
+    async def _take_spare(self, order: _SpareOrder, fresh: SandboxHandle) -> SandboxHandle:
+        """The spare made for this request's spec, in place of `fresh` (launched for it just
+        now, nothing started yet), when the spare's policy is the one `fresh` compiled, session
+        aside: the host has not changed what the spec means since the spare was made. Else
+        `fresh`. Either way the other one is destroyed. The spare's sandbox is the one its first
+        command runs in only if the command's plan is still the sandbox's (every host fact and
+        mount the same; `SandboxHandle.session_sandbox`), as for any session's second command."""
+        spare, self.spare = self.spare, None
+        if spare is None:
+            return fresh
+        if spare.order.key != order.key:
+            self._spawn(self._destroy(spare))
+            return fresh
+        prepared = await spare.task
+        if prepared is None:
+            return fresh
+        if prepared.backend is not fresh.backend or _sessionless(prepared) != _sessionless(
+            fresh
+        ):
+            await self.manager.destroy(prepared.session_id)
+            return fresh
+        await self.manager.destroy(fresh.session_id)
+        return prepared
+
+    async def _replace_spare(self, order: _SpareOrder) -> None:
+        """Start the spare for the next request like `order`'s (its own session, its sandbox
+        and proxies running, no command run in it), in place of any other spare."""
+        if self.stopping or self.tasks is None:
+            return
+        old, self.spare = self.spare, None
+        if old is not None:
+            self._spawn(self._destroy(old))
+        self.spare = _Spare(order, self.tasks.create_task(self._prepare(order)),
+                            time.monotonic() + SPARE_KEEP_S)
+
+    async def _prepare(self, order: _SpareOrder) -> SandboxHandle | None:
+        """The spare: None when it cannot be made (the next run launches its own and says why
+        on its client's stderr)."""
+        import msgspec
+
+        from cc_server.backends.plan import Command
+        from cc_server.errors import CcServerError
+
+        spec = msgspec.structs.replace(order.spec, session_id=_session_id())
+        try:
+            handle = self.manager.launch(
+                spec, backend=order.backend, deny_create_globs=order.deny_create
+            )
+        except CcServerError:
+            return None
+        try:
+            if handle.egress is not None:  # a session sandbox: started as its first exec would
+                bridge = await handle.egress.start()
+                plan = handle.plan(Command(argv=("/bin/true",), in_session_sandbox=True,
+                                           egress=bridge))
+                if plan.session is not None:
+                    await handle.session_sandbox(plan)
+        except BaseException as exc:
+            await self.manager.destroy(handle.session_id)
+            if isinstance(exc, CcServerError | OSError):
+                return None
+            raise
+        return handle
+
+    def _expire_spare(self) -> None:
+        """Destroy a spare nobody took in time: its mounts keep the binds' filesystems busy."""
+        if self.spare is not None and time.monotonic() > self.spare.expires:
+            spare, self.spare = self.spare, None
+            self._spawn(self._destroy(spare))
+
+    async def _destroy(self, spare: _Spare) -> None:
+        handle = await spare.task
+        if handle is not None:
+            await self.manager.destroy(handle.session_id)
+
+    async def _drop_spare(self) -> None:
+        spare, self.spare = self.spare, None
+        if spare is not None:
+            await self._destroy(spare)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        if self.tasks is not None:
+            self.tasks.create_task(coro)
+        else:
+            coro.close()
 
     async def _probe_microvm(self, err: Any) -> None:
         """The microVM runtime, probed on the first `--backend microvm` (its image build's
@@ -189,7 +351,7 @@ class _Daemon:
                 self.manager.use_microvm(await cli.probe_microvm_runtime(err))
 
 
-def _parse(request: dict[str, Any], err: Any) -> tuple[Any, Any]:
+def _parse(request: dict[str, Any], err: Any, parser: Any = None) -> tuple[Any, Any]:
     """Parse the client's arguments and build its spec in its working directory (relative
     `--bind`, `--spec`, `--workdir` paths are the client's). Synchronous: nothing else runs on
     the loop while the directory is changed."""
@@ -213,26 +375,32 @@ def _parse(request: dict[str, Any], err: Any) -> tuple[Any, Any]:
     saved = sys.stdout, sys.stderr
     try:
         sys.stdout = sys.stderr = err  # argparse prints its usage errors here
-        args = cli.parse_args(argv)  # the settings files too: HOME and XDG_CONFIG_HOME are keyed
+        # The settings files too: HOME and XDG_CONFIG_HOME are keyed.
+        args = cli.parse_args(argv, parser)
         return args, cli.build_spec(args)
     finally:
         sys.stdout, sys.stderr = saved
         os.chdir(here)
 
 
-async def _watch_client(client: socket.socket, execution: Any) -> None:
-    """A forwarded signal ends the command gracefully; the client going away kills it."""
+async def _watch_client(
+    client: socket.socket, execution: Any, interrupted: asyncio.Event
+) -> None:
+    """A forwarded signal ends the command gracefully; the client going away kills it. Either
+    sets `interrupted`."""
     while True:
         await wait_readable(client)
         try:
             client.settimeout(MESSAGE_TIMEOUT_S)
             message, _ = receive_message(client)
         except (EOFError, ValueError, OSError):
+            interrupted.set()
             await execution.kill(reason="client gone")
             return
         finally:
             client.setblocking(False)
         if isinstance(message.get("signal"), int):
+            interrupted.set()
             name = signal.Signals(message["signal"]).name
             await execution.terminate(SIGNAL_GRACE_S, reason=name)
 

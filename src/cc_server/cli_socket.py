@@ -57,16 +57,20 @@ def _key() -> str:
     """The build and host facts the daemon was started with: a different one gets its own.
 
     A cache key, not a secret (the socket lives in the user's private directory): two CRCs of
-    the facts, without the 5 ms hashlib's OpenSSL costs the thin client at every start."""
+    the facts, without the 5 ms hashlib's OpenSSL costs the thin client at every start. The C
+    client (backends/native/client.c) computes the same over the same facts: keep them alike."""
     digest = _Digest()
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
     for root, dirs, files in os.walk(package):
         dirs[:] = sorted(d for d in dirs if d != "__pycache__")
         for name in sorted(files):
             if name.endswith((".py", ".so", ".toml", ".sb")) or "launcher" in name:
                 info = os.stat(os.path.join(root, name))
                 digest.update(f"{root}/{name}:{info.st_mtime_ns}:{info.st_size}\n".encode())
-    digest.update(f"{sys.executable}\n{sys.version}\n{os.geteuid()}\n".encode())
+    # The interpreter as its file: another build (a new version) is another file.
+    interpreter = os.path.realpath(sys.executable)
+    info = os.stat(interpreter)
+    digest.update(f"{interpreter}\n{info.st_mtime_ns}:{info.st_size}\n{os.geteuid()}\n".encode())
     for name in KEYED_ENV:
         digest.update(f"{name}={os.environ.get(name, '')}\n".encode())
     return digest.hexdigest()

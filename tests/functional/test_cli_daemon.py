@@ -1,5 +1,8 @@
 """`cc-server run` through the CLI daemon: the same sandbox and the same answers as the in-process
-run, on the client's own descriptors, and a daemon nobody else can use or wedge.
+run, on the client's own descriptors, and a daemon nobody else can use or wedge. Both clients: the
+Python one (`cli_client.py`) and the C one (`native/client.c`; scripts/bootstrap installs it as
+the venv's `cc-server`, these tests build it for the interpreter they run on), which hands
+everything but a served `run` to the Python one.
 
 Every test gets its own XDG_RUNTIME_DIR (so its own daemon) and stops that daemon afterwards.
 """
@@ -23,9 +26,34 @@ from collections.abc import Iterator
 import pytest
 from cli_kit import daemon_pids
 
+import cc_server
 from cc_server.cli_socket import receive_message, send_message
 
 pytestmark = pytest.mark.integration
+
+PACKAGE = pathlib.Path(cc_server.__file__).parent
+CLIENT_SOURCE = PACKAGE / "backends" / "native" / "client.c"
+PYTHON_CLIENT = (sys.executable, "-m", "cc_server.cli_client")
+
+
+def build_client(out: pathlib.Path, python: str) -> str:
+    """The C client, built as scripts/bootstrap builds it, for this package and `python`."""
+    subprocess.run(
+        ["gcc", "-O2", "-Wall", "-Wextra", "-Werror", f'-DCC_PACKAGE="{PACKAGE}"',
+         f'-DCC_PYTHON="{python}"', "-o", str(out), str(CLIENT_SOURCE)],
+        check=True, capture_output=True, timeout=CLI_TIMEOUT_S,
+    )  # fmt: skip
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def c_client(tmp_path_factory: pytest.TempPathFactory) -> tuple[str]:
+    return (build_client(tmp_path_factory.mktemp("client") / "cc-server", sys.executable),)
+
+
+@pytest.fixture(params=["py", "c"])
+def argv0(request: pytest.FixtureRequest, c_client: tuple[str]) -> tuple[str, ...]:
+    return PYTHON_CLIENT if request.param == "py" else c_client
 
 CLI_TIMEOUT_S = 60.0
 STALE_PID = 2**22 + 7  # above the largest pid_max Linux allows (2**22): never a live process
@@ -63,15 +91,15 @@ def env(tmp_path: pathlib.Path, runtime: pathlib.Path) -> dict[str, str]:
 
 
 def client(
-    *args: str, env: dict[str, str], cwd: pathlib.Path | None = None
+    *args: str, env: dict[str, str], cwd: pathlib.Path | None = None,
+    argv0: tuple[str, ...] = PYTHON_CLIENT, stdin: str | None = None,
 ) -> subprocess.CompletedProcess[str]:
     if cwd is None:  # never the checkout: `run` binds its cwd when nothing else is bound
         cwd = pathlib.Path(env["HOME"]).parent / "cwd"
         cwd.mkdir(exist_ok=True)
     return subprocess.run(
-        [sys.executable, "-m", "cc_server.cli_client", *args],
-        env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-        timeout=CLI_TIMEOUT_S, check=False,
+        [*argv0, *args], env=env, cwd=cwd, capture_output=True, text=True, input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None, timeout=CLI_TIMEOUT_S, check=False,
     )  # fmt: skip
 
 
@@ -154,11 +182,12 @@ def test_errors_and_usage_reach_the_clients_stderr(
 
 
 def test_sigterm_to_the_client_ends_the_command(
-    env: dict[str, str], tmp_path: pathlib.Path
+    env: dict[str, str], tmp_path: pathlib.Path, argv0: tuple[str, ...]
 ) -> None:
     marker = tmp_path / "work"
     marker.mkdir()
-    proc = _sleeper(env, marker)
+    assert client("run", "--", "true", env=env).returncode == 0  # a daemon serves the C client
+    proc = _sleeper(env, marker, argv0)
     try:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=PROMPT_S) == 128 + signal.SIGTERM
@@ -169,20 +198,23 @@ def test_sigterm_to_the_client_ends_the_command(
 
 
 def test_a_killed_client_takes_its_command_with_it(
-    env: dict[str, str], tmp_path: pathlib.Path
+    env: dict[str, str], tmp_path: pathlib.Path, argv0: tuple[str, ...]
 ) -> None:
     marker = tmp_path / "work"
     marker.mkdir()
-    proc = _sleeper(env, marker)
+    assert client("run", "--", "true", env=env).returncode == 0  # a daemon serves the C client
+    proc = _sleeper(env, marker, argv0)
     proc.kill()
     proc.wait()
     assert wait_for(lambda: not _sandboxed_sleepers(marker))
 
 
-def _sleeper(env: dict[str, str], marker: pathlib.Path) -> subprocess.Popen[bytes]:
+def _sleeper(
+    env: dict[str, str], marker: pathlib.Path, argv0: tuple[str, ...] = PYTHON_CLIENT
+) -> subprocess.Popen[bytes]:
     """A client running `sleep 60` in a sandbox that binds `marker`, once it runs."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cc_server.cli_client", "run", "--bind", str(marker), "--",
+        [*argv0, "run", "--bind", str(marker), "--",
          "sh", "-c", f"echo started > {marker}/started; exec sleep 60"],
         env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -192,7 +224,7 @@ def _sleeper(env: dict[str, str], marker: pathlib.Path) -> subprocess.Popen[byte
 
 
 def _sandboxed_sleepers(marker: pathlib.Path) -> list[int]:
-    """bwrap processes whose argv binds `marker` (the sandboxes of these tests)."""
+    """bwrap processes whose argv binds `marker` (the sandboxes of these tests, a spare too)."""
     found = []
     for entry in os.listdir("/proc"):
         try:
@@ -286,3 +318,139 @@ def test_daemon_stop_and_off(env: dict[str, str], runtime: pathlib.Path) -> None
     assert not daemon_pids(runtime) and not sockets(runtime)
     nothing = client("daemon", "stop", env=env)
     assert nothing.returncode == 0 and "no CLI daemon" in nothing.stdout
+
+
+def _descendants(pid: int) -> set[str]:
+    """The command names of `pid`'s descendants."""
+    children: dict[int, list[int]] = {}
+    names: dict[int, str] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat_line = f.read()
+        except (OSError, ValueError):
+            continue
+        name, rest = stat_line[stat_line.index("(") + 1 :].rsplit(")", 1)
+        names[int(entry)] = name
+        children.setdefault(int(rest.split()[1]), []).append(int(entry))
+    found, todo = set(), list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        found.add(names[child])
+        todo.extend(children.get(child, []))
+    return found
+
+
+def test_the_next_run_takes_a_spare_sandbox_that_is_new(
+    env: dict[str, str], tmp_path: pathlib.Path, c_client: tuple[str]
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    first = client(
+        "run", "--bind", str(work), "--", "sh", "-c",
+        "echo left > /tmp/left; sleep 60 > /dev/null 2>&1 & echo first", env=env, cwd=work,
+    )  # fmt: skip
+    assert first.returncode == 0 and first.stdout == "first\n", first.stderr
+    # The first run's sandbox is gone before its client returns: what binds `work` now is the
+    # spare, made for the next run like it.
+    assert wait_for(lambda: len(_sandboxed_sleepers(work)) == 1)
+    [spare] = _sandboxed_sleepers(work)
+    second = subprocess.Popen(
+        [*c_client, "run", "--bind", str(work), "--", "sh", "-c",
+         f"cat /tmp/left 2>/dev/null || echo new-tmp; echo > {work}/started; exec sleep 1"],
+        env=env, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: (work / "started").exists())
+        # It runs in the spare: a sandbox no command ran in, without the first one's files or
+        # the process it left.
+        assert "sleep" in _descendants(spare)
+        out, err = second.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        second.kill()
+        second.wait()
+    assert second.returncode == 0 and out == "new-tmp\n", err
+    assert spare not in _sandboxed_sleepers(work)  # destroyed after its one command
+
+
+def test_a_spare_made_before_the_host_changed_is_not_used(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    old, new, link = tmp_path / "old", tmp_path / "new", tmp_path / "link"
+    for directory in (old, new):
+        directory.mkdir()
+        (directory / "which").write_text(f"{directory.name}\n")
+    link.symlink_to(old)
+    first = client("run", "--bind", str(link), "--", "cat", f"{link}/which", env=env)
+    assert first.returncode == 0 and first.stdout == "old\n", first.stderr
+    assert wait_for(lambda: _sandboxed_sleepers(old))  # the spare: `old` bound at `link`
+    link.unlink()
+    link.symlink_to(new)  # the same spec means another directory now
+    second = client("run", "--bind", str(link), "--", "cat", f"{link}/which", env=env)
+    assert second.returncode == 0 and second.stdout == "new\n", second.stderr
+
+
+def test_the_c_client_is_served_by_the_same_daemon(
+    env: dict[str, str], runtime: pathlib.Path, tmp_path: pathlib.Path, c_client: tuple[str]
+) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    script = "cat; echo term=$TERM lc=$LC_ALL token=${SECRET_TOKEN-unset}; echo err >&2; exit 5"
+    # No daemon yet: the C client leaves it to the Python one, which starts it.
+    started = client("run", "--", "sh", "-c", script, env={**env, "TERM": "t1"}, cwd=work,
+                     argv0=c_client, stdin="in-1\n")
+    assert started.returncode == 5, started.stderr
+    assert started.stdout == "in-1\nterm=t1 lc= token=unset\n"
+    [pid] = daemon_pids(runtime)
+    [path] = sockets(runtime)
+    served = client(
+        "run", "--", "sh", "-c", script, cwd=work, argv0=c_client, stdin="in-2\n",
+        env={**env, "TERM": "t2", "LC_ALL": "C.UTF-8", "SECRET_TOKEN": "nope"},
+    )  # fmt: skip
+    assert served.returncode == 5, served.stderr
+    assert served.stdout == "in-2\nterm=t2 lc=C.UTF-8 token=unset\n"
+    assert served.stderr.splitlines() == ["err"]
+    # The same daemon and socket as the Python client's: the two compute the same key.
+    again = client("run", "--", "sh", "-c", "echo py", env=env, cwd=work)
+    assert again.returncode == 0 and again.stdout == "py\n", again.stderr
+    assert daemon_pids(runtime) == [pid] and sockets(runtime) == [path]
+    stopped = client("daemon", "stop", env=env, argv0=c_client)
+    assert stopped.returncode == 0 and "stopping" in stopped.stdout, stopped.stderr
+    assert wait_for(lambda: not daemon_pids(runtime) and not sockets(runtime))
+
+
+def test_the_c_client_hands_the_rest_to_python(
+    env: dict[str, str], runtime: pathlib.Path, tmp_path: pathlib.Path, c_client: tuple[str]
+) -> None:
+    c = c_client
+    probe = client("probe", "--json", env=env, argv0=c)
+    assert probe.returncode == 0 and json.loads(probe.stdout)["platform"] == "linux"
+    usage = client("run", "--help", env=env, argv0=c)
+    assert usage.returncode == 0 and "--bind" in usage.stdout
+    off = client("run", "--", "sh", "-c", "echo inproc", env={**env, "CC_SERVER_DAEMON": "off"},
+                 argv0=c)
+    assert off.returncode == 0 and off.stdout == "inproc\n", off.stderr
+    assert not daemon_pids(runtime)
+    bad = client("run", "--bind", "/does/not/exist", "--", "true", env=env, argv0=c)
+    assert bad.returncode == 2 and "BadSpec" in bad.stderr, bad.stderr
+    # An argument that is not UTF-8 reaches the command as it was (through Python).
+    work = tmp_path / "work"
+    work.mkdir()
+    raw = subprocess.run(
+        [c[0].encode(), b"run", b"--", b"printf", b"%s", b"a\xffb"], env=env, cwd=work,
+        stdin=subprocess.DEVNULL, capture_output=True, timeout=CLI_TIMEOUT_S, check=False,
+    )  # fmt: skip
+    assert raw.returncode == 0 and raw.stdout == b"a\xffb", raw.stderr
+
+
+def test_a_c_client_without_its_interpreter_runs_nothing(
+    env: dict[str, str], tmp_path: pathlib.Path
+) -> None:
+    broken = build_client(tmp_path / "cc-server", f"{tmp_path}/gone/python")
+    marker = tmp_path / "ran"
+    for args in (["probe"], ["run", "--bind", str(tmp_path), "--", "touch", str(marker)]):
+        proc = client(*args, env=env, argv0=(broken,))
+        assert proc.returncode == 125, proc
+        assert f"cannot start {tmp_path}/gone/python" in proc.stderr
+    assert not marker.exists()
