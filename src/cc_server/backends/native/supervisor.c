@@ -692,12 +692,36 @@ static bool path_under(const char *path, const char *root) {
     return strncmp(path, root, n) == 0 && (path[n] == '\0' || path[n] == '/');
 }
 
+/* This process's /proc/self/fd, opened once (ccs_start): a link read from it skips the lookup
+ * of /proc, self and fd that every path through /proc/self/fd/N repeats (4 of a ~10 us readlink
+ * here). -1 until then, or when it could not be opened: the full path is used. */
+static _Atomic int self_fds = -1;
+
+static void open_self_fds(void) {
+    if (atomic_load(&self_fds) >= 0)
+        return;
+    int fd = open("/proc/self/fd", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    int none = -1;
+    if (fd >= 0 && !atomic_compare_exchange_strong(&self_fds, &none, fd))
+        close(fd); /* another supervisor of this process opened it first */
+}
+
+/* readlink of /proc/self/fd/<fd>. */
+static ssize_t read_fd_link(int fd, char *buf, size_t size) {
+    char name[32];
+    int dir = atomic_load(&self_fds);
+    if (dir >= 0) {
+        snprintf(name, sizeof name, "%d", fd);
+        return readlinkat(dir, name, buf, size);
+    }
+    snprintf(name, sizeof name, "/proc/self/fd/%d", fd);
+    return readlink(name, buf, size);
+}
+
 /* The path of an open file in the task's view (its /proc/self/fd link), in `buf`: false when it
  * is not a path there (a pipe, a socket), too long, or gone (" (deleted)"). */
 static bool fd_path(int fd, char *buf, size_t size) {
-    char link[64];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, buf, size - 1);
+    ssize_t n = read_fd_link(fd, buf, size - 1);
     if (n <= 0 || (size_t)n >= size - 1 || buf[0] != '/' ||
         (n > 10 && memcmp(buf + n - 10, " (deleted)", 10) == 0)) {
         buf[0] = '\0';
@@ -1084,9 +1108,8 @@ static bool gitdir_refused(const struct ccs *s, int dir_fd, const char *name, co
  * anonymous inode (its link is "pipe:[N]" and the like, reached through /proc/self/fd/N, as
  * `echo > /dev/stderr` does), or a file whose last name is gone. */
 static bool not_a_path(int fd) {
-    char link[64], target[PATH_MAX];
-    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, target, sizeof target - 1);
+    char target[PATH_MAX];
+    ssize_t n = read_fd_link(fd, target, sizeof target - 1);
     if (n > 0 && target[0] != '/')
         return true;
     struct stat st;
@@ -2063,6 +2086,13 @@ static const char *open_action(int flags, bool exists) {
 
 static const int SETFL_KEEP = O_APPEND | O_DIRECT | O_NOATIME;
 
+/* Whether an open that succeeded with these flags made the file it opened (O_CREAT | O_EXCL):
+ * a new regular file, so no terminal and no object of a kernel filesystem (none of them makes
+ * a file by open), and the checks for those are skipped. */
+static bool made_here(int flags) {
+    return (flags & (O_CREAT | O_EXCL)) == (O_CREAT | O_EXCL) && (flags & O_TMPFILE) != O_TMPFILE;
+}
+
 /*
  * Where open_beneath starts: the task's root (q->root_fd, kept for the notification), or its
  * thread's cwd or its dirfd (`*owned`: the caller closes it). Returns 0 or an errno.
@@ -2112,29 +2142,32 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
         rel++;
     if (has_path_rules(s)) {
         /* A path rule needs the pinned directory: the parent first (one openat2, nothing on
-         * the way a symlink or a magic link), the rules on its path and the name, then the
-         * open of that one name from it. A refusal, or anything unusual, goes to the walk,
-         * which decides the same and reports it. */
-        char dir[PATH_MAX];
+         * the way a symlink or a magic link; for a bare name, the start directory itself), the
+         * rules on its path and the name, then the open of that one name from it. A refusal,
+         * or anything unusual, goes to the walk, which decides the same and reports it. */
         size_t dlen = (size_t)(name - rel);
-        memcpy(dir, rel, dlen);
-        dir[dlen] = '\0';
-        struct open_how dh = {
-            .flags = O_PATH | O_DIRECTORY | O_CLOEXEC,
-            .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH,
-        };
-        int parent = (int)syscall(SYS_openat2, start, dlen ? dir : ".", &dh, sizeof dh);
-        if (owned)
-            close(start);
-        if (parent < 0)
-            return false;
-        if (path_refused(s, parent, name, &glob) ||
-            ((flags & O_CREAT) && ancestor_refused(s, parent, name, &glob))) {
-            close(parent);
+        if (dlen) {
+            char dir[PATH_MAX];
+            memcpy(dir, rel, dlen);
+            dir[dlen] = '\0';
+            struct open_how dh = {
+                .flags = O_PATH | O_DIRECTORY | O_CLOEXEC,
+                .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH,
+            };
+            int parent = (int)syscall(SYS_openat2, start, dir, &dh, sizeof dh);
+            if (owned)
+                close(start);
+            if (parent < 0)
+                return false;
+            start = parent;
+            owned = true;
+        }
+        if (path_refused(s, start, name, &glob) ||
+            ((flags & O_CREAT) && ancestor_refused(s, start, name, &glob))) {
+            if (owned)
+                close(start);
             return false;
         }
-        start = parent;
-        owned = true;
         rel = name;
     }
     /* As in do_open's walk: O_NONBLOCK keeps an existing FIFO from blocking this worker (with
@@ -2158,12 +2191,12 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
         respond(s, q->n->id, 0, err);
         return true;
     }
-    if (is_dev_tty(fd)) {
+    if (!made_here(flags) && is_dev_tty(fd)) {
         close(fd);
         respond(s, q->n->id, 0, ENXIO);
         return true;
     }
-    if (kernel_object(fd)) {
+    if (!made_here(flags) && kernel_object(fd)) {
         judge_path(fd, "");
         close(fd);
         q->action = open_action(flags, true);
@@ -2305,13 +2338,14 @@ static void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mod
         respond(s, q->n->id, 0, err);
         return;
     }
-    if (!opath && is_dev_tty(fd)) {
+    bool made = !opath && !tmpfile && r.kind == RES_NAME && made_here(flags);
+    if (!opath && !made && is_dev_tty(fd)) {
         close(fd);
         res_close(&r);
         respond(s, q->n->id, 0, ENXIO);
         return;
     }
-    if (!opath && kernel_object(fd)) {
+    if (!opath && !made && kernel_object(fd)) {
         judge_path(fd, "");
         close(fd);
         q->action = open_action(flags, true);
@@ -3615,6 +3649,7 @@ int ccs_abi_version(void) { return CCS_ABI_VERSION; }
 struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, size_t globs_len,
                       int report_fd, int nworkers, unsigned flags, long long identity_uid,
                       long long identity_gid, char *err, size_t errlen) {
+    open_self_fds();
     struct ccs *s = calloc(1, sizeof *s);
     if (!s) {
         snprintf(err, errlen, "out of memory");
