@@ -3,8 +3,9 @@
 
 Starts a real `cc-server serve`, creates SANDBOXES native sandboxes over the HTTP API and runs
 COMMANDS short commands (`/bin/true`) in each, all sandboxes concurrently (each sandbox's commands
-one after another), every command through the exec WebSocket (or POST .../exec with --via post).
-The same shape of load is also run as raw bwrap launches (the namespaces cc-server uses, around
+one after another), every command through the sandbox's session stream (one WebSocket per sandbox,
+opened before the load; --via ws: an exec WebSocket per command, --via post: POST .../exec). The
+same shape of load is also run as raw bwrap launches (the namespaces cc-server uses, around
 /bin/true, no server, no egress bridge) and through the library in this process (the same native
 plan with its egress bridge, no HTTP). Prints, for each: commands/s and the p50/p99 latency from
 the request to the `exit` event, and the server's numbers as a ratio to raw bwrap (and to the
@@ -20,8 +21,10 @@ then during the exec, and the p50/p99/max of each are printed with the server's 
 and the result's truncation fields. The result is kept bounded (16 MiB a stream) and encoded off
 the server's event loop, so other clients should not wait for it.
 
-Usage: .venv/bin/python bench/server.py [--sandboxes 50] [--commands 20] [--via ws|post]
+Usage: .venv/bin/python bench/server.py [--sandboxes 50] [--commands 20]
+                                        [--via session|ws|post]
                                         [--big-exec-bytes N] [--big-exec-only]
+                                        [--profile FILE]
 """
 
 from __future__ import annotations
@@ -50,14 +53,16 @@ IDLE_PROBES = 200  # /healthz probes before the big exec starts
 BIG_EXEC_TIMEOUT_S = 600.0  # hang guard for the big exec
 
 
-def start_server(work: str, runtime: str) -> tuple[subprocess.Popen[bytes], str, int, str]:
+def start_server(work: str, runtime: str, profile: str | None = None
+                 ) -> tuple[subprocess.Popen[bytes], str, int, str]:
     log_path = os.path.join(work, "server.log")
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.path.join(work, "home"),
            "XDG_RUNTIME_DIR": runtime, "LANG": "C.UTF-8"}
     os.makedirs(env["HOME"], exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cc_server.cli", "serve", "--port", "0", "--log-json"],
+            [sys.executable, *(["-m", "cProfile", "-o", profile] if profile else []),
+             "-m", "cc_server.cli", "serve", "--port", "0", "--log-json"],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     deadline = time.monotonic() + BOOT_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -188,8 +193,29 @@ async def bench_server(url: str, token: str, work: str, workers: int, per_worker
                                    json={"argv": ["/bin/true"]}) as response:
                 assert (await response.json())["exitCode"] == 0
 
-        wall, latencies = await run_load(workers, per_worker,
-                                         one_ws if via == "ws" else one_post)
+        # The session stream: one WebSocket per sandbox, opened before the load, many commands.
+        streams: list[aiohttp.ClientWebSocketResponse] = []
+        if via == "session":
+            streams = list(await asyncio.gather(*(
+                client.ws_connect(f"/v1/sandboxes/{i}/session/ws") for i in ids)))
+        sent = [0] * workers
+
+        async def one_session(index: int) -> None:
+            ws, sent[index] = streams[index], sent[index] + 1
+            command_id = str(sent[index])
+            await ws.send_json({"id": command_id, "exec": {"argv": ["/bin/true"]}})
+            async for msg in ws:
+                event = msg.json()
+                assert event["id"] == command_id, event
+                if event["type"] == "exit":
+                    assert event["exitCode"] == 0, event
+                    return
+            raise AssertionError("no exit event")
+
+        one = {"ws": one_ws, "post": one_post, "session": one_session}[via]
+        wall, latencies = await run_load(workers, per_worker, one)
+        for ws in streams:
+            await ws.close()
         await asyncio.gather(*(client.delete(f"/v1/sandboxes/{i}") for i in ids))
     return create_s, wall, latencies
 
@@ -320,7 +346,7 @@ async def main_async(args: argparse.Namespace) -> int:
         return 1
     work = tempfile.mkdtemp(prefix="cc-bench-server-")
     runtime = tempfile.mkdtemp(prefix="ccb-", dir="/tmp")
-    proc, _log_path, port, token = start_server(work, runtime)
+    proc, _log_path, port, token = start_server(work, runtime, args.profile)
     url = f"http://127.0.0.1:{port}"
     try:
         await warm_up(url, token, work)
@@ -390,9 +416,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sandboxes", type=int, default=50)
     parser.add_argument("--commands", type=int, default=20, help="per sandbox")
-    parser.add_argument("--via", choices=["ws", "post"], default="ws")
+    parser.add_argument("--via", choices=["session", "ws", "post"], default="session",
+                        help="session: one session stream per sandbox; ws: an exec WebSocket "
+                        "per command; post: POST .../exec")
     parser.add_argument("--big-exec-bytes", type=int, default=2**30,
                         help="stdout of the exec /healthz is timed during (0: skip)")
+    parser.add_argument("--profile", metavar="FILE",
+                        help="run the server under cProfile and write its stats to FILE "
+                        "(read them with python -m pstats FILE)")
     parser.add_argument("--big-exec-only", action="store_true",
                         help="only time /healthz during the big exec; no load")
     return asyncio.run(main_async(parser.parse_args()))

@@ -200,15 +200,18 @@ def wait_until_held(marker: str) -> int:
     raise AssertionError(f"the writer was never held back: {samples[-STALL_SAMPLES:]}")
 
 
+@pytest.mark.parametrize("route", ["exec/ws", "session/ws"])
 async def test_an_exec_ws_client_that_never_reads_holds_the_command_not_the_servers_memory(
-    tmp_path: pathlib.Path, work: pathlib.Path, count: int
+    tmp_path: pathlib.Path, work: pathlib.Path, count: int, route: str
 ) -> None:
     marker = f"head\x00-c\x00{count}\x00"
+    request: dict[str, object] = {"argv": ["head", "-c", str(count), "/dev/zero"]}
     with running_server(tmp_path) as server:
         async with server.client() as client:
             session_id = await create(client, work)
-            writer = await open_silent_ws(server, f"/v1/sandboxes/{session_id}/exec/ws",
-                                          {"argv": ["head", "-c", str(count), "/dev/zero"]})
+            writer = await open_silent_ws(  # the session stream: the same request, with an id
+                server, f"/v1/sandboxes/{session_id}/{route}",
+                request if route == "exec/ws" else {"id": "flood", "exec": request})
             try:
                 written = await asyncio.to_thread(wait_until_held, marker)
                 peak = peak_rss_bytes(server.proc.pid)
@@ -242,3 +245,4 @@ async def test_a_terminal_ws_client_that_never_reads_holds_the_shell_not_the_ser
         assert await asyncio.to_thread(wait_until_gone, marker, PROMPT_S) == []
     assert 0 < written < count, f"the shell wrote {written} bytes: it was not held back"
     assert peak < PEAK_RSS_BYTES, f"server peak RSS {peak / MIB:.0f} MiB"
+

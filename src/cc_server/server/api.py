@@ -1,5 +1,7 @@
-"""The sandbox API: create, list, inspect, destroy, exec (collected and streamed), kill, and the
-egress allowlist of a running sandbox (GET / PATCH .../egress).
+"""The sandbox API: create, list, inspect, destroy, kill, suspend and resume, and the egress
+allowlist of a running sandbox (GET / PATCH .../egress, the egress stream). The exec routes are
+in `exec_api.py`, with the helpers here that every route shares (`decode_body`, `live_state`,
+`live_handle`, `ws_refuse`, `ws_answer`).
 
 JSON bodies use the reference page's field names. Errors are an ErrorBody with a status a caller
 can act on: 400 bad input (nothing was created or run), 401 no token, 404 unknown sandbox, 409 id
@@ -9,14 +11,9 @@ taken or backend unavailable on this host, 500 enforcement failed (nothing ran),
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import codecs
 import contextlib
 import json
 import logging
-import time
-from collections.abc import AsyncIterator
 from typing import Any, Final
 
 import msgspec
@@ -26,33 +23,31 @@ from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
 from cc_server.policy.paths import is_within
-from cc_server.policy.spec import check_absolute
-from cc_server.runtime.events import (
-    EgressChanged,
-    EgressRequest,
-    EventType,
-    SandboxEvent,
-    SandboxState,
-    SandboxViolation,
-)
-from cc_server.runtime.handle import Execution, SandboxHandle
+from cc_server.runtime.events import EgressChanged, EgressRequest, SandboxState, SandboxViolation
+from cc_server.runtime.handle import SandboxHandle
 from cc_server.server.egress_api import answer_request, change_egress, egress_of, egress_view
-from cc_server.server.exec_result import send_exec_result
 from cc_server.server.logs import log_event
 from cc_server.server.models import (
     CreateSandboxWire,
     EgressAnswerRequest,
     EgressChangeRequest,
     EgressStreamInput,
-    ExecRequest,
-    ExecStreamInput,
 )
 from cc_server.server.state import STATE, ServerState
 from cc_server.server.status import Refused, refusal
 
-__all__ = ["routes"]
+__all__ = [
+    "WS_CLOSE_BASE",
+    "WS_CLOSE_TIMEOUT_S",
+    "WS_HEARTBEAT_S",
+    "decode_body",
+    "live_handle",
+    "live_state",
+    "routes",
+    "ws_answer",
+    "ws_refuse",
+]
 
-FIRST_MESSAGE_TIMEOUT_S: Final = 30.0  # the exec WebSocket's ExecRequest must arrive by then
 WS_HEARTBEAT_S: Final = 30.0  # ping interval; a client that stops answering is disconnected
 WS_CLOSE_TIMEOUT_S: Final = 2.0  # how long a client may take to answer the server's close
 WS_CLOSE_BASE: Final = 4000  # a refused WebSocket request closes with 4000 + its HTTP status
@@ -63,7 +58,8 @@ routes = web.RouteTableDef()
 # --- errors --------------------------------------------------------------------------------------
 
 
-def _decode(data: bytes, kind: type[Any]) -> Any:
+def decode_body(data: bytes | str, kind: type[Any]) -> Any:
+    """`data` decoded strictly as `kind`; a Refused 400 naming the schema when it is not one."""
     try:
         return msgspec.json.decode(data, type=kind)
     except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -71,14 +67,16 @@ def _decode(data: bytes, kind: type[Any]) -> Any:
                       "see /openapi.json for the body's schema") from None
 
 
-def _state(request: web.Request) -> ServerState:
+def live_state(request: web.Request) -> ServerState:
+    """The server's state; a Refused 503 once it is shutting down."""
     state = request.app[STATE]
     if state.shutting_down:
         raise Refused(503, "ShuttingDown", "the server is shutting down")
     return state
 
 
-def _handle(state: ServerState, session_id: str) -> SandboxHandle:
+def live_handle(state: ServerState, session_id: str) -> SandboxHandle:
+    """The live sandbox `session_id`; a Refused 404 when there is none."""
     handle = state.manager.handles.get(session_id)
     if handle is None:
         raise Refused(404, "NotFound", f"no live sandbox with sessionId {session_id!r}",
@@ -118,8 +116,8 @@ def _check_token_not_exposed(state: ServerState, spec: SandboxSpec) -> None:
 @routes.post("/v1/sandboxes")
 async def create_sandbox(request: web.Request) -> web.StreamResponse:
     """Create a sandbox from {spec, backend?}."""
-    state = _state(request)
-    wire: CreateSandboxWire = _decode(await request.read(), CreateSandboxWire)
+    state = live_state(request)
+    wire: CreateSandboxWire = decode_body(await request.read(), CreateSandboxWire)
     requested = _backend(wire.backend)
     try:
         spec = parse_spec(bytes(wire.spec))
@@ -161,7 +159,7 @@ async def list_sandboxes(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/sandboxes/{id}")
 async def get_sandbox(request: web.Request) -> web.StreamResponse:
     """One sandbox: state, backend, violations so far."""
-    return web.json_response(_handle(request.app[STATE], request.match_info["id"]).to_json())
+    return web.json_response(live_handle(request.app[STATE], request.match_info["id"]).to_json())
 
 
 @routes.delete("/v1/sandboxes/{id}")
@@ -180,7 +178,7 @@ async def kill_commands(request: web.Request) -> web.StreamResponse:
     """Kill the sandbox's running commands; the sandbox stays."""
     state = request.app[STATE]
     session_id = request.match_info["id"]
-    _handle(state, session_id)
+    live_handle(state, session_id)
     executions = list(state.running.get(session_id, ()))
     for execution in executions:
         await execution.kill(reason="manual")
@@ -190,7 +188,7 @@ async def kill_commands(request: web.Request) -> web.StreamResponse:
 @routes.get("/v1/sandboxes/{id}/egress")
 async def get_egress(request: web.Request) -> web.StreamResponse:
     """The sandbox's allowlist and deny list now, and the requests waiting for an answer."""
-    handle = _handle(_state(request), request.match_info["id"])
+    handle = live_handle(live_state(request), request.match_info["id"])
     try:
         return web.json_response(egress_view(handle))
     except CcServerError as exc:
@@ -200,8 +198,8 @@ async def get_egress(request: web.Request) -> web.StreamResponse:
 @routes.patch("/v1/sandboxes/{id}/egress")
 async def patch_egress(request: web.Request) -> web.StreamResponse:
     """Remove, then add, allowlist entries; effective for the sandbox's next connection."""
-    handle = _handle(_state(request), request.match_info["id"])
-    req: EgressChangeRequest = _decode(await request.read(), EgressChangeRequest)
+    handle = live_handle(live_state(request), request.match_info["id"])
+    req: EgressChangeRequest = decode_body(await request.read(), EgressChangeRequest)
     try:
         return web.json_response(change_egress(handle, req, by="api"))
     except CcServerError as exc:
@@ -211,8 +209,8 @@ async def patch_egress(request: web.Request) -> web.StreamResponse:
 @routes.post("/v1/sandboxes/{id}/egress/requests/{request}")
 async def answer_egress_request(request: web.Request) -> web.StreamResponse:
     """Answer a held connection: once, session (adds its host:port) or deny."""
-    handle = _handle(_state(request), request.match_info["id"])
-    req: EgressAnswerRequest = _decode(await request.read(), EgressAnswerRequest)
+    handle = live_handle(live_state(request), request.match_info["id"])
+    req: EgressAnswerRequest = decode_body(await request.read(), EgressAnswerRequest)
     try:
         return web.json_response(answer_request(handle, request.match_info["request"],
                                                 req.answer))
@@ -236,13 +234,13 @@ async def egress_stream(request: web.Request) -> web.StreamResponse:
     ws = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, timeout=WS_CLOSE_TIMEOUT_S)
     await ws.prepare(request)
     try:
-        handle = _handle(_state(request), request.match_info["id"])
+        handle = live_handle(live_state(request), request.match_info["id"])
         try:
             egress, snapshot = egress_of(handle), egress_view(handle)
         except CcServerError as exc:
             raise refusal(exc) from exc
     except Refused as refused:
-        await _ws_refuse(ws, refused.status, refused.body)
+        await ws_refuse(ws, refused.status, refused.body)
         return ws
     frames: asyncio.Queue[dict[str, object]] = asyncio.Queue(EGRESS_STREAM_QUEUE)
 
@@ -283,7 +281,7 @@ async def egress_stream(request: web.Request) -> web.StreamResponse:
                 await ws.send_str(json.dumps({"type": "error", "error": "BadRequest",
                                               "message": str(exc), "fix": None}))
                 continue
-            await _ws_answer(ws, handle, cmd.egress_answer)
+            await ws_answer(ws, handle, cmd.egress_answer)
 
     egress.watchers.append(watch)
     handle.violation_listeners.append(violated)
@@ -304,7 +302,7 @@ async def egress_stream(request: web.Request) -> web.StreamResponse:
 
 
 def _vm(request: web.Request) -> MicroVMHandle:
-    handle = _handle(_state(request), request.match_info["id"])
+    handle = live_handle(live_state(request), request.match_info["id"])
     if not isinstance(handle, MicroVMHandle):
         raise refusal(BackendUnavailable(
             f"sandbox {handle.session_id!r} runs on {handle.backend}, which cannot suspend",
@@ -337,120 +335,14 @@ async def resume_sandbox(request: web.Request) -> web.StreamResponse:
     return web.json_response(handle.to_json())
 
 
-# --- exec ----------------------------------------------------------------------------------------
-
-
-def _stdin_bytes(text: str | None, b64: str | None) -> bytes | None:
-    if text is not None and b64 is not None:
-        raise Refused(400, "BadRequest", "give stdin or stdinBase64, not both")
-    if b64 is not None:
-        try:
-            return base64.b64decode(b64, validate=True)
-        except binascii.Error as exc:
-            raise Refused(400, "BadRequest", f"stdinBase64 is not base64: {exc}") from None
-    return None if text is None else text.encode()
-
-
-def _check_exec(req: ExecRequest) -> None:
-    for i, word in enumerate(req.argv):
-        if "\x00" in word:
-            raise Refused(400, "BadRequest", f"argv[{i}] contains a NUL byte")
-    for name, value in (req.env or {}).items():
-        if not name or "=" in name or "\x00" in name or "\x00" in value:
-            raise Refused(400, "BadRequest", f"env name {name!r} or its value is not valid",
-                          "names are non-empty without '=' or NUL; values have no NUL")
-    if req.cwd is not None:
-        try:
-            check_absolute(req.cwd)
-        except ValueError as exc:
-            raise Refused(400, "BadRequest", f"cwd: {exc}") from None
-
-
-def _prepare(state: ServerState, session_id: str, req: ExecRequest, *,
-             interactive: bool) -> tuple[SandboxHandle, Execution]:
-    _check_exec(req)
-    handle = _handle(state, session_id)
-    stdin = _stdin_bytes(req.stdin, req.stdin_base64)
-    try:
-        execution = handle.exec(
-            req.argv, env=req.env, cwd=req.cwd,
-            stdin=None if interactive else stdin,
-            interactive_stdin=interactive, timeout_s=req.timeout_s,
-        )
-    except CcServerError as exc:
-        raise refusal(exc) from exc
-    return handle, execution
-
-
-@contextlib.asynccontextmanager
-async def _running(state: ServerState, handle: SandboxHandle,
-                   execution: Execution) -> AsyncIterator[Execution]:
-    """Start the command, tracked for kill and shutdown; refusals become Refused."""
-    started = time.monotonic()
-    try:
-        await execution.__aenter__()
-    except CcServerError as exc:
-        log_event("exec.refused", exc.message, level=logging.WARNING,
-                  sessionId=handle.session_id, error=type(exc).__name__)
-        raise refusal(exc) from exc
-    state.track(handle.session_id, execution)
-    try:
-        yield execution
-    finally:
-        try:
-            await execution.__aexit__(None, None, None)
-        finally:
-            state.untrack(handle.session_id, execution)
-            log_event("exec.exit", f"{execution.exec_id} exited {execution.exit_code}",
-                      sessionId=handle.session_id, execId=execution.exec_id,
-                      exitCode=execution.exit_code,
-                      ms=round((time.monotonic() - started) * 1000, 1))
-
-
-@routes.post("/v1/sandboxes/{id}/exec")
-async def exec_collected(request: web.Request) -> web.StreamResponse:
-    """Run a command; answer with its collected result once it exits. Each stream keeps its
-    first `exec_output_limit_bytes`; the rest is read and dropped as it arrives, and counted."""
-    state = _state(request)
-    req: ExecRequest = _decode(await request.read(), ExecRequest)
-    handle, execution = _prepare(state, request.match_info["id"], req, interactive=False)
-    async with _running(state, handle, execution):
-        result = await execution.collect(limit_bytes=state.exec_output_limit_bytes)
-    return await send_exec_result(request, result)
-
-
-class _TextStreams:
-    """UTF-8 decoding per output stream that never splits a character across two events."""
-
-    def __init__(self) -> None:
-        self._decoders = {
-            kind: codecs.getincrementaldecoder("utf-8")(errors="replace")
-            for kind in (EventType.STDOUT, EventType.STDERR)
-        }
-
-    def render(self, event: SandboxEvent) -> list[dict[str, object]]:
-        out = event.to_json()
-        if event.type in self._decoders and event.data is not None:
-            out["data"] = self._decoders[event.type].decode(event.data)
-            return [out] if out["data"] else []
-        if event.type is EventType.EXIT:  # what is left of a truncated character, then exit
-            tails: list[dict[str, object]] = []
-            for kind, decoder in self._decoders.items():
-                rest = decoder.decode(b"", final=True)
-                if rest:
-                    tails.append({"type": str(kind), "sessionId": event.session_id,
-                                  "execId": event.exec_id, "data": rest})
-            return [*tails, out]
-        return [out]
-
-
-async def _ws_refuse(ws: web.WebSocketResponse, status: int, body: dict[str, Any]) -> None:
+async def ws_refuse(ws: web.WebSocketResponse, status: int, body: dict[str, Any]) -> None:
+    """Send `body` as an error frame, then close with WS_CLOSE_BASE + `status`."""
     with contextlib.suppress(ConnectionError):
         await ws.send_str(json.dumps({"type": "error", **body}))
     await ws.close(code=WS_CLOSE_BASE + status, message=body["error"].encode()[:120])
 
 
-async def _ws_answer(ws: web.WebSocketResponse, handle: SandboxHandle,
+async def ws_answer(ws: web.WebSocketResponse, handle: SandboxHandle,
                      msg: EgressAnswerRequest) -> None:
     """Answer an egress request from the exec WebSocket; a bad answer is an error frame."""
     try:
@@ -461,66 +353,3 @@ async def _ws_answer(ws: web.WebSocketResponse, handle: SandboxHandle,
         with contextlib.suppress(ConnectionError):
             await ws.send_str(json.dumps({"type": "error", "error": "BadRequest",
                                           "message": exc.message, "fix": exc.fix}))
-
-
-async def _client_messages(ws: web.WebSocketResponse, execution: Execution) -> None:
-    """Apply stdin / stdinClose / kill messages until the client closes, then kill."""
-    try:
-        async for msg in ws:
-            if msg.type is not WSMsgType.TEXT:
-                continue
-            try:
-                cmd = msgspec.json.decode(msg.data, type=ExecStreamInput)
-                data = _stdin_bytes(cmd.stdin, cmd.stdin_base64)
-            except (msgspec.ValidationError, msgspec.DecodeError, Refused) as exc:
-                with contextlib.suppress(ConnectionError):
-                    await ws.send_str(json.dumps({"type": "error", "error": "BadRequest",
-                                                  "message": str(exc), "fix": None}))
-                continue
-            with contextlib.suppress(BadSpec, BrokenPipeError, ConnectionResetError):
-                if data:
-                    await execution.write_stdin(data)
-                if cmd.stdin_close:
-                    execution.close_stdin()
-            if cmd.egress_answer is not None:
-                await _ws_answer(ws, execution.handle, cmd.egress_answer)
-            if cmd.kill:
-                await execution.kill(reason="manual")
-    finally:
-        await execution.kill(reason="disconnected")  # no-op once the command has exited
-
-
-@routes.get("/v1/sandboxes/{id}/exec/ws")
-async def exec_stream(request: web.Request) -> web.StreamResponse:
-    """Run a command, streaming its events; closing the socket kills it."""
-    ws = web.WebSocketResponse(heartbeat=WS_HEARTBEAT_S, timeout=WS_CLOSE_TIMEOUT_S)
-    await ws.prepare(request)
-    try:
-        state = _state(request)
-        try:
-            async with asyncio.timeout(FIRST_MESSAGE_TIMEOUT_S):
-                first = await ws.receive()
-        except TimeoutError:
-            raise Refused(408, "Timeout", "no ExecRequest within "
-                          f"{FIRST_MESSAGE_TIMEOUT_S:g} s") from None
-        if first.type is not WSMsgType.TEXT:
-            return ws  # the client went away (or sent something that is not a request)
-        req: ExecRequest = _decode(first.data.encode(), ExecRequest)
-        handle, execution = _prepare(state, request.match_info["id"], req, interactive=True)
-        initial = _stdin_bytes(req.stdin, req.stdin_base64)
-        async with _running(state, handle, execution):
-            texts = _TextStreams()
-            async with asyncio.TaskGroup() as tg:
-                if initial:
-                    tg.create_task(execution.write_stdin(initial), name="initial stdin")
-                client = tg.create_task(_client_messages(ws, execution), name="ws client")
-                async for event in execution:
-                    for frame in texts.render(event):
-                        with contextlib.suppress(ConnectionError):
-                            await ws.send_str(json.dumps(frame))
-                client.cancel()
-    except Refused as refused:
-        await _ws_refuse(ws, refused.status, refused.body)
-        return ws
-    await ws.close()
-    return ws

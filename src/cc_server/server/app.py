@@ -42,6 +42,7 @@ from cc_server.server.auth import (
 )
 from cc_server.server.config import ServerConfig, ServerConfigError
 from cc_server.server.dispatch_api import install_dispatch
+from cc_server.server.exec_api import routes as exec_routes
 from cc_server.server.logs import configure_logging, log_event
 from cc_server.server.openapi import openapi_document
 from cc_server.server.state import STATE, ServerState
@@ -87,6 +88,7 @@ def build_app(state: ServerState, token: str) -> web.Application:
     app.router.add_get("/healthz", _healthz)
     app.router.add_get("/openapi.json", _openapi)
     app.router.add_routes(api_routes)
+    app.router.add_routes(exec_routes)
     app.router.add_routes(terminal_routes)
     return app
 

@@ -30,6 +30,7 @@ __all__ = [
     "SandboxHandleView",
     "SandboxList",
     "SandboxViolationView",
+    "SessionStreamInput",
     "TerminalControl",
     "TerminalSessionView",
     "WindowSize",
@@ -203,6 +204,24 @@ class SandboxEventView(_Body, frozen=True, omit_defaults=True):
 class ExecStreamInput(_Body, frozen=True, omit_defaults=True):
     """A later client message on the exec WebSocket (any combination, applied in this order)."""
 
+    stdin: str | None = None  # text to write to the command's stdin
+    stdin_base64: str | None = None  # bytes to write, as base64
+    stdin_close: bool = False  # send EOF
+    kill: bool = False  # kill the command (it reports killed, then exit)
+    egress_answer: EgressAnswerRequest | None = None  # answer an egress-request (by its id)
+
+
+_CommandId = Annotated[str, msgspec.Meta(min_length=1, max_length=128, description="The "
+                                          "client's name for a command on a session stream")]
+
+
+class SessionStreamInput(_Body, frozen=True, omit_defaults=True):
+    """A client message on the session stream (GET /v1/sandboxes/{id}/session/ws): `exec` starts
+    a command under `id`; stdin, stdinBase64, stdinClose and kill go to the running command
+    `id` (in this order); egressAnswer answers an egress-request."""
+
+    id: _CommandId | None = None  # the command: unique among this stream's running commands
+    exec: ExecRequest | None = None  # start a command (its stdin, if any, is in here)
     stdin: str | None = None  # text to write to the command's stdin
     stdin_base64: str | None = None  # bytes to write, as base64
     stdin_close: bool = False  # send EOF

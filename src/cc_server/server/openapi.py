@@ -9,6 +9,7 @@ import msgspec
 
 from cc_server import __version__
 from cc_server.server.dispatch_api import REQUEST_MODELS, openapi_paths
+from cc_server.server.exec_api import SESSION_INPUT_QUEUE, SESSION_MAX_COMMANDS
 from cc_server.server.models import (
     CreateSandboxRequest,
     EgressAnswerRequest,
@@ -25,6 +26,7 @@ from cc_server.server.models import (
     SandboxEventView,
     SandboxHandleView,
     SandboxList,
+    SessionStreamInput,
     TerminalControl,
     TerminalSessionView,
 )
@@ -48,6 +50,7 @@ _MODELS: Final = (
     SandboxEventView,
     SandboxHandleView,
     SandboxList,
+    SessionStreamInput,
     TerminalControl,
     TerminalSessionView,
 )
@@ -144,6 +147,34 @@ def _paths() -> dict[str, Any]:
                     "violation, killed, exit) and closes after exit. Later client messages are "
                     "ExecStreamInput. Closing the socket kills the command. A refused request "
                     "gets one ErrorBody message and close code 4000 + its HTTP status."
+                ),
+                "responses": {"101": {"description": "switching to WebSocket"},
+                              **_errors(401, 404)},
+            },
+        },
+        "/v1/sandboxes/{id}/session/ws": {
+            "parameters": [_ID_PARAM],
+            "get": {
+                "summary": "Run many commands over one WebSocket (the session stream), every "
+                           "frame tagged with the client's command id",
+                "description": (
+                    "For a client that runs many commands in one sandbox: one upgrade instead "
+                    "of one per command. Client messages are SessionStreamInput: "
+                    '`{"id": "c1", "exec": ExecRequest}` starts a command (ids are the '
+                    "client's, unique among the stream's running commands, free again after "
+                    "the command's exit); `{\"id\": \"c1\", \"stdin\": ...}`, stdinBase64, "
+                    "stdinClose and kill go to that running command; egressAnswer answers an "
+                    "egress-request. The server sends the exec WebSocket's SandboxEventView "
+                    'frames with `"id"` added. A message it cannot act on (unreadable, binary, '
+                    "an unknown or running id, a refused exec: that command never ran) gets "
+                    '`{"type": "error", "id", "status", "error", "message", "fix"}` (id null '
+                    "when none could be read) and the stream goes on. At most "
+                    f"{SESSION_MAX_COMMANDS} commands run at once on one stream, and "
+                    f"{SESSION_INPUT_QUEUE} messages wait per command (LimitReached, 429, "
+                    "past either). Closing the socket kills every command still running on it "
+                    "(reason disconnected); the server closes it once the sandbox is destroyed "
+                    "and no command runs. An unknown sandbox gets one ErrorBody message and "
+                    "close code 4404. The exec WebSocket stays for one command at a time."
                 ),
                 "responses": {"101": {"description": "switching to WebSocket"},
                               **_errors(401, 404)},
