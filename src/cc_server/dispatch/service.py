@@ -41,7 +41,7 @@ import logging
 import os
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -396,10 +396,9 @@ class DispatchService:
         caps = capabilities or AgentCapabilities.safe_default()
         try:
             os.mkdir(os.path.join(state_dir, ".claude"), 0o700)
-            spec, grant, ca_env = self._spec_and_grant(
-                run_id, worktree, workspace_id=workspace_id, mode=mode, capabilities=caps,
-                state_dir=state_dir,
-            )
+            spec, grant, ca_env = self._spec_and_grant(run_id, functools.partial(
+                self.spec_for, run_id, worktree, workspace_id=workspace_id, mode=mode,
+                capabilities=caps, state_dir=state_dir))
             egress = self.config.operator_egress
             if self.config.model_credentials is not None and agent is not AgentKind.HARNESS:
                 model = ModelBroker(self.config.model_credentials, state_dir, environ=ca_env)
@@ -458,26 +457,11 @@ class DispatchService:
         return worktree, argv
 
     def _spec_and_grant(
-        self,
-        run_id: str,
-        worktree: Worktree,
-        *,
-        workspace_id: str,
-        mode: Mode,
-        capabilities: AgentCapabilities,
-        state_dir: str,
+        self, run_id: str, make_spec: Callable[..., SandboxSpec]
     ) -> tuple[SandboxSpec, Grant, dict[str, str]]:
-        """The run's spec with its credential grant's and the CA bundle's binds, the grant, and
-        the CA-bundle variables (BadSpec: the spec would show the server's private files)."""
-        make_spec = functools.partial(
-            self.spec_for,
-            run_id,
-            worktree,
-            workspace_id=workspace_id,
-            mode=mode,
-            capabilities=capabilities,
-            state_dir=state_dir,
-        )
+        """The run's spec (`make_spec`: `spec_for` with the run's arguments) with its credential
+        grant's and the CA bundle's binds, the grant, and the CA-bundle variables (BadSpec: the
+        spec would show the server's private files)."""
         grant = self.broker.grant(make_spec(), run_id)
         ca_env, ca_binds = self.ca_bundle_binds()
         spec = make_spec(extra_binds=(*grant.bind_mounts, *ca_binds))
