@@ -1,0 +1,152 @@
+"""The supervisor's fast path for an open, attacked where it now skips work: a bare name is judged
+in the directory the task starts from (its cwd, its dirfd, the root) without that directory being
+opened again, and a file made by O_CREAT|O_EXCL is not checked for being a terminal or an object
+of a kernel filesystem. Real bubblewrap; each case checks the host afterwards.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+
+import pytest
+from escape_kit import Sandboxes, run_attack
+from write_kit import refusals, tree_state
+
+pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+GIT_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1"}
+CONFIG = "repoA/.git/config"
+NEW_HOOK = "repoA/.git/hooks/pre-commit"
+EXCL = "os.O_CREAT | os.O_EXCL | os.O_WRONLY"
+
+
+def _plant(wt: pathlib.Path) -> None:
+    for args in (["init", "-q", str(wt / "repoA")], ["init", "-q", "--bare", str(wt / "bare.git")]):
+        subprocess.run(["git", *args], check=True, capture_output=True, env=GIT_ENV)
+    (wt / "plain").mkdir()
+    (wt / "plain" / "file").write_text("data\n")
+    for d in ("objects", "refs"):
+        (wt / "shaped" / d).mkdir(parents=True)  # HEAD beside these would make a bare repo
+
+
+# name -> (body, action, path below the worktree): a bare name relative to the directory the
+# task starts from, where that directory is the protected one.
+REFUSED: dict[str, tuple[str, str, str]] = {
+    "dirfd-config-append": (
+        "d = os.open('repoA/.git', os.O_RDONLY | os.O_DIRECTORY)\n"
+        "os.write(os.open('config', os.O_WRONLY | os.O_APPEND, dir_fd=d), b'evil')",
+        "file-write-data", CONFIG,
+    ),
+    "o-path-dirfd-new-hook-excl": (
+        "d = os.open('repoA/.git/hooks', os.O_PATH | os.O_DIRECTORY)\n"
+        f"os.open('pre-commit', {EXCL}, 0o755, dir_fd=d)",
+        "file-write-create", NEW_HOOK,
+    ),
+    "cwd-new-hook-excl": (
+        f"os.chdir('repoA/.git/hooks')\nos.open('pre-commit', {EXCL}, 0o755)",
+        "file-write-create", NEW_HOOK,
+    ),
+    "cwd-new-hook-creat": (
+        "os.chdir('repoA/.git/hooks')\nos.open('pre-commit', os.O_CREAT | os.O_WRONLY, 0o755)",
+        "file-write-create", NEW_HOOK,
+    ),
+    "cwd-config-truncate": (
+        "os.chdir('repoA/.git')\nos.open('config', os.O_WRONLY | os.O_TRUNC)",
+        "file-write-data", CONFIG,
+    ),
+    "dirfd-bare-config": (  # a git directory by its shape, not by its name
+        "d = os.open('bare.git', os.O_PATH | os.O_DIRECTORY)\n"
+        "os.write(os.open('config', os.O_WRONLY | os.O_APPEND, dir_fd=d), b'evil')",
+        "file-write-data", "bare.git/config",
+    ),
+    "dirfd-bare-new-hook": (
+        "d = os.open('bare.git/hooks', os.O_RDONLY | os.O_DIRECTORY)\n"
+        f"os.open('post-update', {EXCL}, 0o755, dir_fd=d)",
+        "file-write-create", "bare.git/hooks/post-update",
+    ),
+    "dirfd-head-beside-objects-and-refs": (
+        "d = os.open('shaped', os.O_PATH | os.O_DIRECTORY)\n"
+        f"os.open('HEAD', {EXCL}, 0o644, dir_fd=d)",
+        "file-write-create", "shaped/HEAD",
+    ),
+    "dirfd-dot-mcp-json": (
+        "d = os.open('plain', os.O_PATH | os.O_DIRECTORY)\n"
+        f"os.open('.mcp.json', {EXCL}, 0o644, dir_fd=d)",
+        "file-write-create", "plain/.mcp.json",
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+async def test_a_bare_name_from_a_protected_start_directory_is_refused(
+    sb: Sandboxes, tmp_path: pathlib.Path, name: str
+) -> None:
+    wt = sb.worktree
+    _plant(wt)
+    body, action, rel = REFUSED[name]
+    before = tree_state(wt)
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=refused [Errno 13]" in out, out
+    assert tree_state(wt) == before, out
+    assert refusals(handle) == [(action, f"{wt}/{rel}")], (refusals(handle), out)
+
+
+async def test_a_bare_name_from_a_file_is_enotdir_and_makes_nothing(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # The start "directory" is a regular file: the kernel's ENOTDIR, as without a supervisor.
+    wt = sb.worktree
+    _plant(wt)
+    before = tree_state(wt)
+    body = (
+        "f = os.open('plain/file', os.O_RDONLY)\n"
+        "got = []\n"
+        f"for flags in ({EXCL}, os.O_CREAT | os.O_WRONLY, os.O_WRONLY):\n"
+        "    try:\n        os.open('x', flags, 0o644, dir_fd=f); got.append('OPENED')\n"
+        "    except OSError as e:\n        got.append(e.errno)\n"
+        "print('GOT', got)"
+    )
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "GOT [20, 20, 20]" in out, out  # ENOTDIR
+    assert tree_state(wt) == before, out
+    assert refusals(handle) == [], out
+
+
+def _ip_forward() -> str:
+    return pathlib.Path("/proc/sys/net/ipv4/ip_forward").read_text()
+
+
+async def test_an_exclusive_create_never_opens_a_kernel_object_or_the_terminal(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # O_CREAT|O_EXCL skips the terminal and kernel-filesystem checks because it can only make a
+    # new regular file: an existing name (the terminal, a sysctl, the launcher's memory) is
+    # EEXIST, and a kernel filesystem makes no file by open. Never an fd, never a write.
+    wt = sb.worktree
+    _plant(wt)
+    forward = _ip_forward()
+    body = (
+        "got = {}\n"
+        "for p in ('/dev/tty', '/proc/sys/net/ipv4/ip_forward', '/proc/1/mem', '/proc/self/mem',\n"
+        "          '/proc/s_new', '/proc/self/s_new', '/proc/sys/s_new', '/sys/s_new',\n"
+        "          '/sys/fs/cgroup/s_new', '/dev/shm/../../proc/s_new'):\n"
+        "    try:\n"
+        "        fd = os.open(p, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)\n"
+        "        os.write(fd, b'1'); got[p] = 'WROTE'\n"
+        "    except OSError as e:\n        got[p] = e.errno\n"
+        "d = os.open('/proc/sys/net/ipv4', os.O_PATH | os.O_DIRECTORY)\n"
+        "for n in ('ip_forward', 's_new'):\n"
+        "    try:\n"
+        "        os.write(os.open(n, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644, dir_fd=d), b'1')\n"
+        "        got['dirfd:' + n] = 'WROTE'\n"
+        "    except OSError as e:\n        got['dirfd:' + n] = e.errno\n"
+        "print('GOT', sorted(got.items()))\n"
+        "print('WROTE' in got.values())"
+    )
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "GOT [" in out and "\nFalse" in out, out
+    assert "'/dev/tty', 17" in out and "'/proc/sys/net/ipv4/ip_forward', 17" in out, out
+    assert "'/proc/1/mem', 17" in out and "'dirfd:ip_forward', 17" in out, out
+    assert _ip_forward() == forward
+    assert not [v for v in handle.violations if v.action.startswith("file-")], out
