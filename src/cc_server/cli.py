@@ -420,10 +420,10 @@ async def _run_streaming(args: argparse.Namespace, result: ProbeResult) -> int:
     relay = not stream and requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
     live = print_live(handle, sys.stderr)  # each violation on stderr as it happens
     try:
-        execution = handle.exec(command_argv(args), env=command_env(args),
-                                inherit_stdio=not stream and not relay, interactive_stdin=relay,
-                                timeout_s=args.timeout)
-        async with (open_asking(args.ask, handle, sys.stderr) as prompter, execution,
+        opened = handle.open_exec(command_argv(args), env=command_env(args),
+                                  inherit_stdio=not stream and not relay,
+                                  interactive_stdin=relay, timeout_s=args.timeout)
+        async with (open_asking(args.ask, handle, sys.stderr) as prompter, opened as execution,
                     asyncio.TaskGroup() as tg):
             stdin = tg.create_task(pump_stdin(execution, sys.stdin.fileno()), name="stdin") \
                 if relay else None

@@ -230,12 +230,11 @@ class _Daemon:
                     handle = await self._take_spare(order, handle)
                 live = print_live(handle, err)  # each violation as it happens
                 relay = requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
-                execution = handle.exec(
+                async with handle.open_exec(
                     cli.command_argv(args), env=cli.command_env(args, environ),
                     inherit_stdio=False if relay else stdio, interactive_stdin=relay,
                     timeout_s=args.timeout,
-                )
-                async with execution:
+                ) as execution:
                     interrupted = asyncio.Event()  # by a forwarded signal, or the client gone
                     watcher = asyncio.create_task(_watch_client(client, execution, interrupted))
                     try:

@@ -145,17 +145,15 @@ async def test_the_acp_transport_frames_lines_and_drops_an_oversized_one(
             "line = sys.stdin.readline(); w(line); sys.stdout.flush()\n"
             f"w('x' * {MAX_MESSAGE_BYTES + 10})\n"
         )
-        execution = handle.exec([sys.executable, "-c", script], interactive_stdin=True)
-        await execution.__aenter__()
-        transport = ExecutionTransport(execution)
-        try:
+        async with handle.open_exec(
+            [sys.executable, "-c", script], interactive_stdin=True
+        ) as execution:
+            transport = ExecutionTransport(execution)
             assert await transport.receive() == {"a": 1}
             assert await transport.receive() == {"b": 2}  # not-JSON and non-object lines skipped
             await transport.send({"echo": "back"})
             assert await transport.receive() == {"echo": "back"}
             assert await transport.receive() is None  # the oversized line ends the connection
-        finally:
-            await execution.__aexit__(None, None, None)
     finally:
         await manager.aclose()
 

@@ -139,7 +139,7 @@ async def test_suspend_resume_keeps_the_shell(tmp_path: pathlib.Path) -> None:
     m = manager(tmp_path)
     try:
         handle = await launch(m, bindMounts=[{"hostPath": str(work), "guestPath": "/work"}])
-        async with handle.exec(["/bin/sh"], cwd="/tmp", interactive_stdin=True) as shell:
+        async with handle.open_exec(["/bin/sh"], cwd="/tmp", interactive_stdin=True) as shell:
             events = events_of(shell)
             await shell.write_stdin(b"export KEPT=kept-value; sleep 1000 & echo bg=$!\n")
             pid = (await read_until(events, "\n")).split("bg=")[1].strip()
@@ -171,7 +171,7 @@ async def test_destroy_leaves_nothing(tmp_path: pathlib.Path) -> None:
     m = manager(tmp_path)
     cache_before = sorted(os.listdir(default_cache_dir()))
     handle = await launch(m)
-    async with handle.exec(["sleep", "1000"]):
+    async with handle.open_exec(["sleep", "1000"]):
         qemu_pid = handle.qemu_pid
         run_dir = handle.run_dir
         assert qemu_pid is not None and run_dir is not None
@@ -347,7 +347,7 @@ async def test_suspend_refused_while_a_bind_is_in_use(tmp_path: pathlib.Path) ->
     m = manager(tmp_path)
     try:
         handle = await launch_with_carve_out(m, work)
-        async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
+        async with handle.open_exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
             events = events_of(shell)
             await shell.write_stdin(b"echo in-$((1+1))\n")
             await read_until(events, "in-2")
@@ -383,7 +383,7 @@ async def test_mounts_that_cannot_be_put_back_end_the_vm(
         async def refused(steps: object = None) -> None:
             raise EnforcementFailed("the guest could not mount /work/protected")
 
-        async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
+        async with handle.open_exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
             events = events_of(shell)
             await shell.write_stdin(b"echo in-$((1+1))\n")
             await read_until(events, "in-2")
@@ -393,7 +393,8 @@ async def test_mounts_that_cannot_be_put_back_end_the_vm(
         assert handle.state is SandboxState.ERROR
         assert not alive(qemu_pid)
         with pytest.raises(Closed, match="launch a new one"):
-            handle.exec(["true"])
+            async with handle.open_exec(["true"]):
+                pass
     finally:
         await m.aclose()
 

@@ -35,7 +35,7 @@ def spec(session_id: str = "s1", **fields: Any) -> Any:
 
 async def events_of(handle: SandboxHandle, argv: list[str], **kwargs: Any) -> list[SandboxEvent]:
     kwargs.setdefault("timeout_s", RUN_TIMEOUT_S)
-    async with handle.exec(argv, **kwargs) as ex:
+    async with handle.open_exec(argv, **kwargs) as ex:
         return [ev async for ev in ex]
 
 
@@ -119,7 +119,7 @@ async def test_without_stdin_the_command_reads_eof(manager: SandboxManager) -> N
 async def test_interactive_stdin_round_trips_before_eof(manager: SandboxManager) -> None:
     handle = manager.launch(spec())
     async with asyncio.timeout(RUN_TIMEOUT_S):
-        async with handle.exec(["/bin/cat"], interactive_stdin=True) as ex:
+        async with handle.open_exec(["/bin/cat"], interactive_stdin=True) as ex:
             events = aiter(ex)
             assert (await anext(events)).type is EventType.STARTING
             assert (await anext(events)).type is EventType.READY
@@ -144,7 +144,7 @@ async def test_interactive_stdin_round_trips_before_eof(manager: SandboxManager)
 
 async def test_write_stdin_without_interactive_stdin_is_refused(manager: SandboxManager) -> None:
     handle = manager.launch(spec())
-    async with asyncio.timeout(RUN_TIMEOUT_S), handle.exec(["/bin/true"]) as ex:
+    async with asyncio.timeout(RUN_TIMEOUT_S), handle.open_exec(["/bin/true"]) as ex:
         with pytest.raises(BadSpec):
             await ex.write_stdin(b"x")
         assert await ex.wait() == 0
@@ -193,7 +193,7 @@ async def test_manual_kill_emits_killed_manual_then_exit(manager: SandboxManager
     handle = manager.launch(spec())
     seen: list[SandboxEvent] = []
     async with asyncio.timeout(RUN_TIMEOUT_S):
-        async with handle.exec([SH, "-c", "echo up; exec sleep 30"]) as ex:
+        async with handle.open_exec([SH, "-c", "echo up; exec sleep 30"]) as ex:
             async for ev in ex:
                 seen.append(ev)
                 if ev.type is EventType.STDOUT:
@@ -232,7 +232,8 @@ async def test_state_transitions_over_a_handles_life(manager: SandboxManager) ->
     assert manager.handles == {"s1": handle}
 
     async with asyncio.timeout(RUN_TIMEOUT_S):
-        async with handle.exec([SH, "-c", "read line; echo $line"], interactive_stdin=True) as ex:
+        script = [SH, "-c", "read line; echo $line"]
+        async with handle.open_exec(script, interactive_stdin=True) as ex:
             assert handle.state is SandboxState.ACTIVE
             await ex.write_stdin(b"go\n")
             ex.close_stdin()
@@ -243,7 +244,8 @@ async def test_state_transitions_over_a_handles_life(manager: SandboxManager) ->
     await handle.destroy()
     assert handle.state is SandboxState.DESTROYED
     with pytest.raises(Closed, match="destroyed"):
-        handle.exec(["/bin/true"])
+        async with handle.open_exec(["/bin/true"]):
+            pass
     with pytest.raises(Closed):
         await run_collect(handle, ["/bin/true"])
     await handle.destroy()  # idempotent
@@ -256,8 +258,8 @@ async def test_state_stays_active_until_the_last_of_two_commands_ends(
     handle = manager.launch(spec())
     async with (
         asyncio.timeout(RUN_TIMEOUT_S),
-        handle.exec(["/bin/cat"], interactive_stdin=True) as first,
-        handle.exec(["/bin/cat"], interactive_stdin=True) as second,
+        handle.open_exec(["/bin/cat"], interactive_stdin=True) as first,
+        handle.open_exec(["/bin/cat"], interactive_stdin=True) as second,
     ):
         assert handle.state is SandboxState.ACTIVE
         first.close_stdin()
@@ -385,7 +387,7 @@ async def test_wait_returns_without_reading_many_output_chunks(manager: SandboxM
     # More output chunks than the event queue holds, and nobody reads the events.
     handle = manager.launch(spec())
     script = "i=0; while [ $i -lt 400 ]; do echo $i; sleep 0.001; i=$((i+1)); done"
-    async with asyncio.timeout(RUN_TIMEOUT_S), handle.exec([SH, "-c", script]) as execution:
+    async with asyncio.timeout(RUN_TIMEOUT_S), handle.open_exec([SH, "-c", script]) as execution:
         assert await execution.wait() == 0
 
 

@@ -122,7 +122,7 @@ async def test_destroy_kills_a_running_command_and_its_children(
     handle = manager.launch(spec())
     script = spawner(marker) + f"exec {sleeper(marker + '-main')}\n"
     async with asyncio.timeout(HANG_GUARD_S):
-        async with handle.exec([SH, "-c", script]) as ex:
+        async with handle.open_exec([SH, "-c", script]) as ex:
             async for ev in ex:
                 if ev.type is EventType.STDOUT:
                     break
@@ -145,7 +145,7 @@ async def test_manager_aclose_kills_commands_in_every_sandbox(
         for name in ("a", "b"):
             argv = [SH, "-c", f"exec {sleeper(f'{marker}-{name}')}"]
             executions.append(
-                await stack.enter_async_context(manager.launch(spec(name)).exec(argv))
+                await stack.enter_async_context(manager.launch(spec(name)).open_exec(argv))
             )
         assert host_pids_with(marker), "the sleepers should be running now"
         await manager.aclose()
@@ -179,7 +179,7 @@ async def test_no_fd_or_memfd_leaks_over_many_executions(manager: SandboxManager
                 result = await run_collect(handle, ["/bin/cat"], stdin=b"data" * 1000)
                 assert result.stdout == b"data" * 1000
             elif kind == 2:
-                async with handle.exec(["/bin/cat"], interactive_stdin=True) as ex:
+                async with handle.open_exec(["/bin/cat"], interactive_stdin=True) as ex:
                     await ex.write_stdin(b"hi\n")
                     ex.close_stdin()
                     assert await ex.wait() == 0
@@ -187,7 +187,7 @@ async def test_no_fd_or_memfd_leaks_over_many_executions(manager: SandboxManager
                 result = await run_collect(handle, ["/usr/bin/sleep", "30"], timeout_s=0.2)
                 assert result.killed == "timeout"
             else:
-                async with handle.exec([SH, "-c", "yes | head -c 1000000"]):
+                async with handle.open_exec([SH, "-c", "yes | head -c 1000000"]):
                     pass  # left early
         after = open_fds()
     assert after == before
@@ -202,7 +202,7 @@ async def test_leaving_exec_early_kills_a_noisy_command_promptly(
     script = f"/usr/bin/yes {marker} | /usr/bin/head -c 50000000"
     started = time.monotonic()
     async with asyncio.timeout(HANG_GUARD_S):
-        async with handle.exec([SH, "-c", script]) as ex:
+        async with handle.open_exec([SH, "-c", script]) as ex:
             pass  # not a single event read; the queue fills and the readers block
     assert time.monotonic() - started < HANG_GUARD_S / 2
     assert ex.exit_code == 137
@@ -216,7 +216,7 @@ async def test_leaving_exec_after_a_few_events_or_by_exception_kills_the_command
     handle = manager.launch(spec())
     script = f"/usr/bin/yes {marker} | /usr/bin/head -c 50000000"
     async with asyncio.timeout(HANG_GUARD_S):
-        async with handle.exec([SH, "-c", script]) as ex:
+        async with handle.open_exec([SH, "-c", script]) as ex:
             seen = 0
             async for ev in ex:
                 seen += ev.type is EventType.STDOUT
@@ -225,7 +225,7 @@ async def test_leaving_exec_after_a_few_events_or_by_exception_kills_the_command
         assert ex.exit_code == 137
 
         with pytest.raises(LookupError):
-            async with handle.exec([SH, "-c", script]) as ex2:
+            async with handle.open_exec([SH, "-c", script]) as ex2:
                 raise LookupError("the consumer failed")
         assert ex2.exit_code == 137
     assert handle.state is SandboxState.WARM
@@ -237,7 +237,7 @@ async def test_destroy_with_an_unread_full_queue_returns_promptly(
 ) -> None:
     handle = manager.launch(spec())
     async with asyncio.timeout(HANG_GUARD_S):
-        async with handle.exec([SH, "-c", f"/usr/bin/yes {marker}"]) as ex:
+        async with handle.open_exec([SH, "-c", f"/usr/bin/yes {marker}"]) as ex:
             await asyncio.sleep(0.3)  # let the readers fill the event queue
             await handle.destroy()
             assert handle.state is SandboxState.DESTROYED

@@ -269,12 +269,13 @@ async def test_when_the_supervisor_is_gone_trapped_calls_fail(sb: Sandboxes) -> 
     # The wait is builtins only: a `sleep` forked after the supervisor stops fails too (clone is
     # trapped), and the shell would stop at "Cannot fork" before the create this test is about.
     script = f"echo > {ready}; while [ ! -e {go} ]; do :; done; echo x > {sb.worktree}/late.txt"
-    async with handle.exec(["/bin/sh", "-c", script], timeout_s=RUN_TIMEOUT_S) as execution:
+    async with handle.open_exec(["/bin/sh", "-c", script], timeout_s=RUN_TIMEOUT_S) as execution:
         # The command itself runs (past the egress prologue, whose socat binds are trapped too).
         assert await wait_until(ready.exists, timeout_s=10.0)
         # White box: stop it as a crash would (the session sandbox's, or the command's own).
-        sandbox = execution._sandbox
-        supervisor = sandbox._rules if sandbox is not None else execution._create_rules
+        sandbox = handle._in_sandbox.get(execution)
+        own = execution._child._launched if sandbox is None else None  # a HostChild's
+        supervisor = sandbox._rules if sandbox is not None else own.supervisor
         assert supervisor is not None
         await asyncio.to_thread(supervisor.close)
         go.write_text("")
@@ -356,7 +357,7 @@ async def test_a_refusal_is_reported_to_the_command_that_made_it_only(sb: Sandbo
     handle = _launch(sb)
     wt = sb.worktree
     quiet = ["/bin/sh", "-c", f"while [ ! -e {wt}/go ]; do sleep 0.05; done"]
-    async with handle.exec(quiet, timeout_s=RUN_TIMEOUT_S) as bystander:
+    async with handle.open_exec(quiet, timeout_s=RUN_TIMEOUT_S) as bystander:
         result = await _sh(sb, handle, "echo > mine.pem")
         (wt / "go").write_text("")
         seen = await bystander.collect()

@@ -871,7 +871,7 @@ async def test_aclose_leaves_no_proxy_socket_or_bridge(lab: Lab, command: str) -
     script = f"readlink /proc/self/ns/net > {netns_file}"
     if command == "running":
         script += "; exec sleep 300"
-    async with asyncio.timeout(RUN_TIMEOUT_S), handle.exec(["/bin/sh", "-c", script]) as ex:
+    async with asyncio.timeout(RUN_TIMEOUT_S), handle.open_exec(["/bin/sh", "-c", script]) as ex:
         assert await wait_until(lambda: netns_file.exists() and netns_file.read_text() != "")
         netns = netns_file.read_text().strip()
         listeners = proxy_listeners(netns) if command == "running" else {}

@@ -135,11 +135,12 @@ async def test_a_live_removal_refuses_the_next_connection_of_a_running_command(l
     entry = f"{ALLOWED}:{up.port}"
     handle = lab.launch(egressAllowlist=[entry, f"127.0.0.1:{up.port}"])
     assert handle.egress is not None and entry in handle.egress.entries
-    execution = handle.exec([PY, "-c", CONNECT_LOOP, ALLOWED, str(up.port)], timeout_s=60)
     kinds: list[EventType] = []
     statuses: list[str] = []
     changed = None
-    async with execution:
+    async with handle.open_exec(
+        [PY, "-c", CONNECT_LOOP, ALLOWED, str(up.port)], timeout_s=60
+    ) as execution:
         async for event in execution:
             kinds.append(event.type)
             if event.type is EventType.STDOUT and event.data:
@@ -191,8 +192,7 @@ async def run_answering(
     pending = iter(answers)
     statuses: list[str] = []
     requests: list[EgressRequest] = []
-    execution = handle.exec([PY, "-c", CONNECT_EACH, *targets], timeout_s=60)
-    async with execution:
+    async with handle.open_exec([PY, "-c", CONNECT_EACH, *targets], timeout_s=60) as execution:
         async for event in execution:
             if event.type is EventType.STDOUT and event.data:
                 statuses += event.data.decode().split()

@@ -84,7 +84,7 @@ def suid_tar(path: pathlib.Path) -> None:
 async def test_a_sandboxed_process_is_never_host_uid_0(sb: Sandboxes) -> None:
     marker = unique("CC-IDENTITY")
     handle = sb.launch()
-    async with handle.exec(["/bin/sh", "-c", f"sleep 30; echo {marker}"]) as execution:
+    async with handle.open_exec(["/bin/sh", "-c", f"sleep 30; echo {marker}"]) as execution:
         assert await wait_until(lambda: len(host_pids_with(marker)) == 1, 10.0)
         (pid,) = host_pids_with(marker)
         status = pathlib.Path(f"/proc/{pid}/status").read_text()

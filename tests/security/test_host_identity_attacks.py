@@ -284,7 +284,7 @@ async def test_a_nested_root_swapped_for_a_symlink_cannot_reach_another_session(
         return [p for p in host_pids_with(marker)
                 if marker.encode() in pathlib.Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
 
-    async with victim.exec(argv, env={"API_TOKEN": marker}) as execution:
+    async with victim.open_exec(argv, env={"API_TOKEN": marker}) as execution:
         assert await wait_until(lambda: bool(in_argv()), 10.0)
         pid = in_argv()[0]
         work = sb.root / "repos" / "project" / "wt"
@@ -575,7 +575,7 @@ async def test_a_sandbox_cannot_signal_trace_or_read_another_sessions_sandbox(
     marker = unique("CC-OTHER-SESSION")
     victim = sb.launch()
     await _sh(sb, victim, f"echo {marker} > /tmp/note; echo {marker} > /dev/shm/note")
-    async with victim.exec(["/bin/sh", "-c", f"sleep 60; : {marker}"]) as execution:
+    async with victim.open_exec(["/bin/sh", "-c", f"sleep 60; : {marker}"]) as execution:
         assert await wait_until(lambda: len(host_pids_with(marker)) == 1, 10.0)
         (pid,) = host_pids_with(marker)
         uid = pathlib.Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0]
@@ -611,7 +611,7 @@ async def test_one_session_cannot_exhaust_another_sessions_inotify_instances(
         time.sleep(30)  # {marker}
         """
     )
-    async with hog.exec(["/bin/sh", "-c", script]) as execution:
+    async with hog.open_exec(["/bin/sh", "-c", script]) as execution:
         assert await wait_until(lambda: bool(host_pids_with(marker)), 10.0)
         await asyncio.sleep(1.0)
         other = await _sh(sb, sb.launch(), _py(

@@ -129,7 +129,7 @@ async def test_a_command_racing_a_suspend_cannot_touch_a_protected_path(
 
         handle._put_back_mounts = slow_put_back  # type: ignore[method-assign]
         qemu_pid = handle.qemu_pid
-        async with handle.exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
+        async with handle.open_exec(["/bin/sh"], cwd="/work", interactive_stdin=True) as shell:
             events = events_of(shell)
             await shell.write_stdin(b"(echo loop-$((1+1)); "
                                     b"while ! rmdir /work/protected 2>/dev/null; do :; done) &\n")

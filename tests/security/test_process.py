@@ -282,7 +282,7 @@ async def test_destroy_kills_a_running_command_and_its_children(sb: Sandboxes) -
     marker = unique("cc-destroy")
     handle = sb.launch()
     script = f"m={shell_word(marker)}; setsid /bin/sh -c 'sleep 300; : '\"$m\" & sleep 300"
-    async with handle.exec(["/bin/sh", "-c", script]) as execution:
+    async with handle.open_exec(["/bin/sh", "-c", script]) as execution:
         # Control: the host (the parent PID namespace) sees the sandboxed child.
         assert await wait_until(lambda: len(host_pids_with(marker)) == 1, timeout_s=5.0), (
             host_pids_with(marker)

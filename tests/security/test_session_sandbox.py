@@ -201,7 +201,8 @@ async def test_destroy_ends_the_session_sandbox_and_everything_in_it(sb: Sandbox
     await sb.sh(handle, "true")
     sandbox = handle.details["sandboxPid"]
     assert isinstance(sandbox, int)
-    async with handle.exec(["/bin/sh", "-c", _start_leftover(marker, "setsid") + "\nsleep 300"]):
+    script = _start_leftover(marker, "setsid") + "\nsleep 300"
+    async with handle.open_exec(["/bin/sh", "-c", script]):
         assert await wait_until(lambda: bool(host_pids_with(marker)), timeout_s=5.0)
         await handle.destroy()
     assert host_pids_with(marker) == []
@@ -269,9 +270,9 @@ async def test_a_sandbox_whose_launcher_does_not_answer_is_closed_on_kill(sb: Sa
     # the launcher is stopped from the host), the whole sandbox goes, and the command with it.
     handle = sb.launch()
     marker = unique("cc-session-wedged")
-    async with handle.exec(["/bin/sh", "-c", f": {marker}; sleep 300"]) as execution:
+    async with handle.open_exec(["/bin/sh", "-c", f": {marker}; sleep 300"]) as execution:
         assert await wait_until(lambda: bool(host_pids_with(marker)), timeout_s=5.0)
-        sandbox = execution._sandbox  # white box: the launcher's host pid
+        sandbox = handle._in_sandbox.get(execution)  # white box: the launcher's host pid
         assert sandbox is not None and sandbox._launcher_pid is not None
         os.kill(sandbox._launcher_pid, signal.SIGSTOP)
         await execution.kill()

@@ -420,7 +420,10 @@ class CcAcpClient:
 class AcpSession:
     """A live ACP agent of a run: its execution, the connection, and what it said."""
 
-    def __init__(self, run: DispatchRun, execution: Execution) -> None:
+    def __init__(
+        self, run: DispatchRun, execution: Execution, stack: contextlib.AsyncExitStack
+    ) -> None:
+        self._stack = stack  # holds the execution's `open_exec` block
         self.run = run
         self.execution = execution
         self.transport = ExecutionTransport(execution)
@@ -506,7 +509,7 @@ class AcpSession:
             await self.connection.close()
         await self.execution.kill(reason="closed")
         with contextlib.suppress(Exception):
-            await self.execution.__aexit__(None, None, None)
+            await self._stack.aclose()
 
 
 async def start_acp(run: DispatchRun) -> AcpSession:
@@ -519,14 +522,14 @@ async def start_acp(run: DispatchRun) -> AcpSession:
     """
     if run.agent_argv is None:
         raise BadSpec("this run has no ACP agent command")
-    execution = run.handle.exec(
+    stack = contextlib.AsyncExitStack()
+    execution = await stack.enter_async_context(run.handle.open_exec(
         (*run.agent_prefix, *run.agent_argv),
         env=run.env,
         cwd=run.worktree.path,
         interactive_stdin=True,
-    )
-    await execution.__aenter__()
-    session = AcpSession(run, execution)
+    ))
+    session = AcpSession(run, execution, stack)
     run.acp = session
     try:
         await session.handshake()

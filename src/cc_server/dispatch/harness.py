@@ -131,7 +131,7 @@ async def run_bounded(
     timeout, limit = _check_limits(timeout_s, max_output_bytes)
     out, err = BoundedOutput(limit), BoundedOutput(limit)
     violations: list[SandboxViolation] = []
-    async with handle.exec(
+    async with handle.open_exec(
         tuple(argv), env=dict(env), cwd=cwd, stdin=stdin, timeout_s=timeout
     ) as execution:
         drained = await drain(execution, out, err, violations)
@@ -150,8 +150,12 @@ class Terminal:
     """A command started for an ACP `terminal/create`: output is kept (bounded, stdout and stderr
     interleaved) until the agent releases it."""
 
-    def __init__(self, terminal_id: str, execution: Execution, limit: int) -> None:
+    def __init__(
+        self, terminal_id: str, execution: Execution, stack: contextlib.AsyncExitStack,
+        limit: int,
+    ) -> None:
         self.terminal_id = terminal_id
+        self._stack = stack  # holds the execution's `open_exec` block
         self.execution = execution
         self.output = BoundedOutput(limit)
         self.violations: list[SandboxViolation] = []
@@ -169,7 +173,7 @@ class Terminal:
             self.output.data += notice_text(from_sandbox(v) for v in self.violations).encode()
         finally:
             with contextlib.suppress(Exception):
-                await self.execution.__aexit__(None, None, None)
+                await self._stack.aclose()
             self._done.set()
 
     @property
@@ -272,11 +276,11 @@ class HarnessBash:
                 f"this run already has {MAX_TERMINALS} terminals",
                 fix="release one (terminal/release) first",
             )
-        execution = self.handle.exec(
+        stack = contextlib.AsyncExitStack()
+        execution = await stack.enter_async_context(self.handle.open_exec(
             words, env={**self.env, **(env or {})}, cwd=cwd or self.cwd, timeout_s=timeout
-        )
-        await execution.__aenter__()
-        terminal = Terminal(f"term-{secrets.token_hex(6)}", execution, limit)
+        ))
+        terminal = Terminal(f"term-{secrets.token_hex(6)}", execution, stack, limit)
         # Owned by this harness: `aclose` (or `release`) kills the command and awaits the task.
         terminal._task = asyncio.get_running_loop().create_task(
             terminal._pump(), name=f"terminal {terminal.terminal_id}"

@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import struct
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -40,10 +41,12 @@ from cc_server.microvm.mounts import GuestMount, MountPlan
 from cc_server.microvm.pool import Vm, VmPool
 from cc_server.microvm.proto import ExecFlags, Frame, FrameType, exec_payload, mount_payload
 from cc_server.policy import CompiledPolicy
+from cc_server.runtime.child import KILL_GRACE_S, Emit
 from cc_server.runtime.events import EventType, SandboxState
-from cc_server.runtime.handle import KILL_GRACE_S, Execution, SandboxHandle
+from cc_server.runtime.execution import Execution
+from cc_server.runtime.handle import SandboxHandle
 
-__all__ = ["GUEST_ENV", "MicroVMHandle", "VmExecution"]
+__all__ = ["GUEST_ENV", "MicroVMHandle", "VmChild"]
 
 log = logging.getLogger("cc_server.microvm")
 GUEST_HTTP_PROXY_PORT: Final = 3128  # the agent's loopback listeners (agent.c)
@@ -62,6 +65,8 @@ GUEST_ENV: Final = {
     "no_proxy": "localhost,127.0.0.1,::1",
 }
 STATE_FILE: Final = "suspended.state"
+STDIN_FRAME_BYTES: Final = 32 * 1024  # one DATA frame of a command's stdin carries at most this
+KILLED_CODE: Final = 128 + signal.SIGKILL
 
 
 def _errno_of(reply: Frame) -> int:
@@ -94,6 +99,7 @@ class MicroVMHandle(SandboxHandle):
     _run_dir: Path | None = field(default=None, repr=False)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
+    _children: dict[Execution, VmChild] = field(default_factory=dict, repr=False)
 
     @property
     def run_dir(self) -> Path | None:
@@ -347,15 +353,16 @@ class MicroVMHandle(SandboxHandle):
             for execution in list(self._running):
                 if self._vm is not None:
                     await execution.kill(reason="destroyed")
-                elif isinstance(execution, VmExecution):
-                    execution._killed_reason = execution._killed_reason or "destroyed"
+                else:
+                    execution.mark_killed("destroyed")
         finally:
             async with self._lock:
                 await self._teardown()
             self.details.pop("qemuPid", None)
             self.transition(SandboxState.DESTROYED)
 
-    def exec(
+    @contextlib.asynccontextmanager
+    async def open_exec(
         self,
         argv: tuple[str, ...] | list[str],
         *,
@@ -366,64 +373,45 @@ class MicroVMHandle(SandboxHandle):
         inherit_stdio: bool | tuple[int, int, int] = False,
         timeout_s: float | None = None,
         pty: tuple[int, int] | None = None,
-    ) -> VmExecution:
-        """Prepare `argv` to run in the guest (see SandboxHandle.exec); `pty=(rows, cols)` runs
-        it on a guest PTY (stdout carries the terminal's output, stdin its input).
+    ) -> AsyncIterator[Execution]:
+        """Run `argv` in the guest for the length of the block (see SandboxHandle.open_exec);
+        `pty=(rows, cols)` runs it on a guest PTY (stdout carries the terminal's output, stdin
+        its input).
 
         Raises:
             Closed: the handle is destroyed or in error.
             BadSpec: the options conflict.
+            CcServerError: the VM did not start, or the guest could not start the command.
         """
-        if self.state in (SandboxState.DESTROYED, SandboxState.ERROR):
-            raise Closed(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
+        self.check_open()
         if inherit_stdio is not False:
             raise BadSpec("a microVM command cannot inherit the server's stdio")
         full_env = {**GUEST_ENV, **(env or {})}
         command = Command(argv=tuple(argv), env=tuple(sorted(full_env.items())),
                           cwd=cwd or self.policy.workdir)
-        return VmExecution(
-            handle=self,
-            exec_id=f"{self.session_id}:{next(self._ids)}",
-            command=command,
-            stdin=stdin,
-            interactive_stdin=interactive_stdin or pty is not None,
-            inherit_stdio=False,
-            timeout_s=timeout_s,
-            pty=pty,
-        )
-
-
-class VmExecution(Execution):
-    """One command in the guest; events, collect, wait, kill as for a native command."""
-
-    def __init__(self, *, handle: MicroVMHandle, pty: tuple[int, int] | None,
-                 **kwargs: object) -> None:
-        super().__init__(handle=handle, **kwargs)  # type: ignore[arg-type]
-        self.vm_handle = handle
-        self._pty = pty
-        self._channel: ExecChannel | None = None
-        self.guest_pid: int | None = None
-
-    async def __aenter__(self) -> VmExecution:
-        handle = self.vm_handle
-        await handle.ready()
-        await handle.resume()
-        link = handle._link
-        if link is None or handle.state not in (SandboxState.WARM, SandboxState.ACTIVE):
-            raise Closed(f"sandbox {handle.session_id!r} is {handle.state}; launch a new one")
-        await self._queue.put(self._event(EventType.STARTING))
+        execution = Execution(handle=self, exec_id=self.next_exec_id(), command=command,
+                              stdin=stdin, timeout_s=timeout_s)
         flags = ExecFlags.NONE
-        if self._pty is not None:
+        if pty is not None:
             flags |= ExecFlags.PTY
-        elif self._stdin_data is not None or self._interactive:
+        elif stdin is not None or interactive_stdin:
             flags |= ExecFlags.STDIN
-        rows, cols = self._pty or (24, 80)
-        cmd = self.command
+        async with execution.open(lambda: self._start_guest(execution, flags, pty or (24, 80))):
+            yield execution
+
+    async def _start_guest(self, execution: Execution, flags: ExecFlags,
+                           window: tuple[int, int]) -> VmChild:
+        """Start `execution`'s command in the guest, on a channel of its own."""
+        await self.ready()
+        await self.resume()
+        link = self._link
+        if link is None or self.state not in (SandboxState.WARM, SandboxState.ACTIVE):
+            raise Closed(f"sandbox {self.session_id!r} is {self.state}; launch a new one")
+        cmd = execution.command
         channel = link.open_exec()
-        self._channel = channel
         try:
             link.send(channel.channel, FrameType.EXEC,
-                      exec_payload(cmd.argv, cmd.env, cmd.cwd, flags, rows, cols))
+                      exec_payload(cmd.argv, cmd.env, cmd.cwd, flags, *window))
             await link.drain()
             first = await channel.frames.get()
         except BaseException:
@@ -433,130 +421,128 @@ class VmExecution(Execution):
             link.forget_exec(channel.channel)
             detail = first.payload[4:].decode(errors="replace") if first.payload else "no VM"
             raise EnforcementFailed(f"the guest could not start {cmd.argv[0]}: {detail}")
-        self.guest_pid = struct.unpack_from("<I", first.payload)[0]
-        handle._running.add(self)
-        if handle.state is SandboxState.WARM:
-            handle.transition(SandboxState.ACTIVE)
-        await self._queue.put(self._event(EventType.READY))
-        if self._stdin_data is not None:
-            with contextlib.suppress(AgentGone):
-                await self.write_stdin(self._stdin_data)
-                self.close_stdin()
-        self._task_group = asyncio.TaskGroup()
-        await self._task_group.__aenter__()
-        self._task_group.create_task(self._supervise(), name=f"exec {self.exec_id} supervise")
-        return self
+        child = VmChild(link, channel, guest_pid=struct.unpack_from("<I", first.payload)[0],
+                        on_abort=lambda: execution.mark_killed("destroyed"))
+        self._children[execution] = child
+        return child
 
-    async def _supervise(self) -> None:
-        channel = self._channel
-        assert channel is not None
-        code: int = -1
-        try:
-            try:
-                async with asyncio.timeout(self._timeout_s):
-                    code = await self._pump_frames(channel)
-            except TimeoutError:
-                await self._signal(signal.SIGKILL, "timeout")
-                async with asyncio.timeout(KILL_GRACE_S):
-                    code = await self._pump_frames(channel)
-        except (TimeoutError, asyncio.CancelledError):
-            code = 128 + signal.SIGKILL
-            self._killed_reason = self._killed_reason or "destroyed"
-        finally:
-            link = self.vm_handle._link
-            if link is not None:
-                link.forget_exec(channel.channel)
-            self.exit_code = code
-            if self._killed_reason is not None:
-                await self._queue.put(self._event(EventType.KILLED, reason=self._killed_reason))
-            await self._queue.put(self._event(EventType.EXIT, exit_code=code))
-            handle = self.vm_handle
-            handle._running.discard(self)
-            if not handle._running and handle.state is SandboxState.ACTIVE:
-                handle.transition(SandboxState.WARM)
-            self._done.set()
+    def exec_started(self, execution: Execution) -> None:
+        """See SandboxHandle.exec_started (a VM being suspended stays as it is)."""
+        self._running.add(execution)
+        if self.state is SandboxState.WARM:
+            self.transition(SandboxState.ACTIVE)
 
-    async def _pump_frames(self, channel: ExecChannel) -> int:
-        while True:
-            frame: Frame = await channel.frames.get()
-            if frame.type is FrameType.STDOUT:
-                await self._queue.put(self._event(EventType.STDOUT, data=frame.payload))
-            elif frame.type is FrameType.STDERR:
-                await self._queue.put(self._event(EventType.STDERR, data=frame.payload))
-            elif frame.type is FrameType.EXIT:
-                return int(struct.unpack_from("<I", frame.payload)[0])
-            elif frame.type is FrameType.ABORT:  # the VM went away under the command
-                self._killed_reason = self._killed_reason or "destroyed"
-                return 128 + signal.SIGKILL
+    async def exec_done(self, execution: Execution) -> None:
+        """See SandboxHandle.exec_done."""
+        self._children.pop(execution, None)
+        await super().exec_done(execution)
 
-    async def __aexit__(self, *exc_info: object) -> None:
-        if not self._done.is_set():
-            await self.kill(reason="manual")
-        await self._discard_until_done()
-        assert self._task_group is not None
-        await self._task_group.__aexit__(None, None, None)
-
-    async def wait_done(self) -> None:
-        """Wait until the command has exited (its `exit` event queued), reading nothing."""
-        await self._done.wait()
-
-    async def _signal(self, signum: int, reason: str) -> None:
-        if self._killed_reason is None:
-            self._killed_reason = reason
-        link = self.vm_handle._link
-        if link is None or self._channel is None:
-            return
-        with contextlib.suppress(AgentGone):
-            link.send(self._channel.channel, FrameType.SIGNAL, struct.pack("<I", signum))
-            await link.drain()
-
-    async def kill(self, reason: str = "manual") -> None:
-        """SIGKILL the command's process group in the guest and wait for its exit; if the VM
-        does not answer, the command is ended here. Idempotent."""
-        if self._channel is None or self._done.is_set():
-            return
-        await self._signal(signal.SIGKILL, reason)
-        try:
-            async with asyncio.timeout(KILL_GRACE_S):
-                await self._done.wait()
-        except TimeoutError:
-            link = self.vm_handle._link
-            if link is not None:
-                link.close_all(AgentGone("the command did not answer a kill"))
-
-    async def terminate(self, grace_s: float, reason: str = "shutdown") -> None:
-        """SIGTERM, then `kill()` after `grace_s`. Idempotent."""
-        if self._channel is None or self._done.is_set():
-            return
-        await self._signal(signal.SIGTERM, reason)
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(grace_s):
-                await self._done.wait()
-        await self.kill(reason=reason)
-
-    async def write_stdin(self, data: bytes) -> None:
-        """Send bytes to the command's stdin (or its PTY)."""
-        link = self.vm_handle._link
-        if self._channel is None or link is None:
-            raise BadSpec("this execution has no interactive stdin")
-        for at in range(0, len(data), 32 * 1024):
-            link.send(self._channel.channel, FrameType.DATA, data[at:at + 32 * 1024])
-        await link.drain()
-
-    def close_stdin(self) -> None:
-        """Send EOF (on a PTY: the terminal's EOF character)."""
-        link = self.vm_handle._link
-        if self._channel is not None and link is not None:
-            with contextlib.suppress(AgentGone):
-                link.send(self._channel.channel, FrameType.EOF)
-
-    def set_window(self, rows: int, cols: int) -> None:
-        """A PTY command's window size (its foreground job gets SIGWINCH in the guest).
+    def set_window(self, execution: Execution, rows: int, cols: int) -> None:
+        """The window size of `execution`'s guest PTY (its foreground job gets SIGWINCH).
 
         Raises:
             AgentGone: the VM is not running.
         """
-        link = self.vm_handle._link
-        if self._channel is not None and link is not None:
-            link.send(self._channel.channel, FrameType.WINSIZE, struct.pack("<HH", rows, cols))
+        child = self._children.get(execution)
+        if child is not None:
+            child.set_window(rows, cols)
 
+
+class VmChild:
+    """One command in the guest, on a channel of the agent link: the Child (runtime/child.py)
+    a microVM's Execution is composed over. Its frames carry the output and then the exit;
+    an ABORT means the VM went away under the command (137, killed: `on_abort`)."""
+
+    def __init__(self, link: AgentLink, channel: ExecChannel, *, guest_pid: int,
+                 on_abort: Callable[[], None]) -> None:
+        self._link = link
+        self._channel = channel
+        self._on_abort = on_abort
+        self.guest_pid = guest_pid
+        self._code: int | None = None
+        self._ended = asyncio.Event()
+
+    @property
+    def returncode(self) -> int | None:
+        """See Child.returncode."""
+        return self._code
+
+    def _end(self, code: int) -> None:
+        if self._code is None:
+            self._code = code
+            self._ended.set()
+
+    async def pump(self, emit: Emit) -> None:
+        """See Child.pump: the channel's frames, up to its EXIT (or ABORT)."""
+        while self._code is None:
+            frame: Frame = await self._channel.frames.get()
+            if frame.type is FrameType.STDOUT:
+                await emit(EventType.STDOUT, frame.payload)
+            elif frame.type is FrameType.STDERR:
+                await emit(EventType.STDERR, frame.payload)
+            elif frame.type is FrameType.EXIT:
+                self._end(int(struct.unpack_from("<I", frame.payload)[0]))
+            elif frame.type is FrameType.ABORT:
+                if self._code is None:
+                    self._on_abort()
+                self._end(KILLED_CODE)
+
+    async def feed(self, data: bytes) -> None:
+        """See Child.feed."""
+        with contextlib.suppress(AgentGone):
+            await self.write_stdin(data)
+            self.close_stdin()
+
+    async def write_stdin(self, data: bytes) -> None:
+        """Send bytes to the command's stdin (or its PTY).
+
+        Raises:
+            AgentGone: the VM is not running.
+        """
+        for at in range(0, len(data), STDIN_FRAME_BYTES):
+            self._link.send(self._channel.channel, FrameType.DATA,
+                            data[at:at + STDIN_FRAME_BYTES])
+        await self._link.drain()
+
+    def close_stdin(self) -> None:
+        """Send EOF (on a PTY: the terminal's EOF character)."""
+        with contextlib.suppress(AgentGone):
+            self._link.send(self._channel.channel, FrameType.EOF)
+
+    async def exited(self) -> int:
+        """See Child.exited."""
+        await self._ended.wait()
+        assert self._code is not None
+        return self._code
+
+    def signal(self, signum: int) -> None:
+        """See Child.signal: to the command's process group in the guest."""
+        if self._code is None:
+            with contextlib.suppress(AgentGone):
+                self._link.send(self._channel.channel, FrameType.SIGNAL,
+                                struct.pack("<I", signum))
+
+    async def kill(self) -> None:
+        """See Child.kill: a command whose VM does not answer within KILL_GRACE_S is given up
+        here (137); its channel is forgotten."""
+        self.signal(signal.SIGKILL)
+        try:
+            async with asyncio.timeout(KILL_GRACE_S):
+                await self._ended.wait()
+        except TimeoutError:
+            self._end(KILLED_CODE)
+            with contextlib.suppress(asyncio.QueueFull):  # wakes `pump`
+                self._channel.frames.put_nowait(Frame(self._channel.channel, FrameType.ABORT))
+
+    async def close(self) -> None:
+        """See Child.close."""
+        self._link.forget_exec(self._channel.channel)
+
+    def set_window(self, rows: int, cols: int) -> None:
+        """A PTY command's window size.
+
+        Raises:
+            AgentGone: the VM is not running.
+        """
+        self._link.send(self._channel.channel, FrameType.WINSIZE,
+                        struct.pack("<HH", rows, cols))

@@ -35,25 +35,24 @@ from collections.abc import Callable, Sequence
 from typing import Final
 
 from cc_server.backends.child_watch import wait_exited
-from cc_server.backends.fdpass import receive_fds, wait_writable
+from cc_server.backends.fdpass import wait_writable
+from cc_server.backends.handoff import Launched, launch
+from cc_server.backends.peer import SandboxPeers
 from cc_server.backends.plan import LaunchPlan, SandboxIdentity, SessionCommand
-from cc_server.backends.runner import start
 from cc_server.backends.supervisor import (
     CreateRefused,
     CreateRuleSupervisor,
     Report,
-    path_rules,
-    receive_listener,
     stop_supervisor,
 )
 from cc_server.errors import EnforcementFailed
+from cc_server.runtime.child import KILL_GRACE_S, PipedChild
 from cc_server.runtime.egress_port import Adopted, EgressPort
 
 __all__ = ["MAX_REQUEST_BYTES", "SessionProcess", "SessionSandbox", "encode_request"]
 
 MAX_REQUEST_BYTES: Final = 128 * 1024  # native/launcher.c SERVE_MAX_REQUEST
 MAX_WORDS: Final = 16384  # native/launcher.c SERVE_MAX_WORDS: argv and env words together
-START_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's egress listeners
 STDERR_TAIL_BYTES: Final = 4096  # what bwrap and the launcher said, kept for errors and logs
 KILLED_CODE: Final = 128 + signal.SIGKILL
 KEEPER_KILLED: Final = 0x100  # native/launcher.c KEEPER_KILLED
@@ -77,9 +76,9 @@ def encode_request(request_id: int, command: SessionCommand) -> bytes | None:
     return message if len(message) <= MAX_REQUEST_BYTES else None
 
 
-class SessionProcess:
-    """One command running in a session sandbox, with the attributes of an asyncio
-    `Process` that an Execution reads (`stdin`, `stdout`, `stderr`, `returncode`)."""
+class SessionProcess(PipedChild):
+    """One command running in a session sandbox: the Child (runtime/child.py) an Execution of
+    the session's sandbox is composed over."""
 
     def __init__(
         self,
@@ -90,29 +89,50 @@ class SessionProcess:
         self._sandbox = sandbox
         self.request_id = request_id
         self.on_report = on_report  # the create-rule supervisor's refusals of this command
-        self.stdin: asyncio.StreamWriter | None = None
-        self.stdout: asyncio.StreamReader | None = None
-        self.stderr: asyncio.StreamReader | None = None
         self.returncode: int | None = None
         self._done = asyncio.get_running_loop().create_future()
         self._transports: list[asyncio.BaseTransport] = []
+
+    @property
+    def sandbox(self) -> SessionSandbox:
+        """The session sandbox the command runs in."""
+        return self._sandbox
 
     def _finish(self, code: int) -> None:
         if self.returncode is None:
             self.returncode = code
             self._done.set_result(None)
 
-    async def exited(self) -> None:
-        """Wait until the command (and everything it left) has ended."""
+    async def exited(self) -> int:
+        """Wait until the command (and everything it left) has ended; its exit code."""
         await asyncio.shield(self._done)
+        assert self.returncode is not None
+        return self.returncode
 
-    def send_signal(self, signum: int) -> None:
+    def signal(self, signum: int) -> None:
         """Signal the command's process group; after SIGKILL its keeper kills the rest."""
         if self.returncode is None:
             self._sandbox._signal(self.request_id, signum)
 
-    def close(self) -> None:
+    async def kill(self) -> None:
+        """SIGKILL the command. Its end is reported from inside: if the launcher does not
+        answer within KILL_GRACE_S, the whole sandbox is closed (and not reused), which ends
+        the command too (137)."""
+        self.signal(signal.SIGKILL)
+        try:
+            async with asyncio.timeout(KILL_GRACE_S):
+                await self.exited()
+        except TimeoutError:
+            self._sandbox.retire()
+            await self._sandbox.aclose()
+            await self.exited()
+
+    async def close(self) -> None:
         """Close our ends of the command's pipes."""
+        self.close_pipes()
+
+    def close_pipes(self) -> None:
+        """Close our ends of the command's pipes (at once)."""
         for transport in self._transports:
             transport.close()
         self._transports = []
@@ -163,6 +183,10 @@ class SessionSandbox:
         clean up after its command."""
         return self._alive and self._reusable
 
+    def retire(self) -> None:
+        """Take no new commands: the handle replaces it, and closes it after its last one."""
+        self._reusable = False
+
     @property
     def running(self) -> int:
         """How many of its commands have not ended yet."""
@@ -192,11 +216,13 @@ class SessionSandbox:
         cls,
         plan: LaunchPlan,
         egress: EgressPort,
+        peers: SandboxPeers,
         on_report: Callable[[Report], None] | None = None,
     ) -> SessionSandbox:
-        """Spawn the sandbox of `plan` and give its loopback listeners to `egress`; with
-        create-time globs, start the supervisor of its launcher's listener. A refusal that no
-        running command can be told to have made goes to `on_report`.
+        """Spawn the sandbox of `plan` (registered in `peers`) and take its handoff
+        (backends/handoff.py): its loopback listeners to `egress`, with create-time globs its
+        launcher's listener to a supervisor. A refusal that no running command can be told to
+        have made goes to `on_report`.
 
         Raises:
             EnforcementFailed: bwrap or the launcher failed before serving (the error carries
@@ -204,68 +230,47 @@ class SessionSandbox:
         """
         assert plan.session is not None and plan.egress_handoff is not None
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        slots = [plan.egress_handoff.name]
-        if plan.create_rules is not None:
-            slots.append(plan.create_rules.socket.name)
-        pairs = {
-            name: socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM) for name in slots
-        }
+        made: list[SessionSandbox] = []
+
+        def spawned(launched: Launched) -> None:  # bwrap's stderr is kept from the start
+            sandbox = cls(plan, launched.proc, launched.transport, ours)
+            sandbox._on_report = on_report
+            sandbox._stderr_task = asyncio.create_task(
+                sandbox._keep_stderr(), name="sandbox stderr"
+            )
+            made.append(sandbox)
+
         try:
             try:
-                proc, transport = await start(
-                    plan,
-                    stdin=asyncio.subprocess.DEVNULL,
-                    stdout=asyncio.subprocess.DEVNULL,
-                    stderr=asyncio.subprocess.PIPE,
-                    fds={
-                        plan.session.socket.name: theirs.fileno(),
-                        **{name: pair[1].fileno() for name, pair in pairs.items()},
-                    },
+                launched = await launch(
+                    plan, (asyncio.subprocess.DEVNULL, asyncio.subprocess.DEVNULL,
+                           asyncio.subprocess.PIPE),
+                    adopt=egress.adopt, peers=peers,
+                    fds={plan.session.socket.name: theirs.fileno()}, spawned=spawned,
                 )
             finally:
                 theirs.close()
-                for _, their_end in pairs.values():
-                    their_end.close()
-        except BaseException:
-            ours.close()
-            for our_end, _ in pairs.values():
-                our_end.close()
-            raise
-        ours.setblocking(False)
-        sandbox = cls(plan, proc, transport, ours)
-        sandbox._on_report = on_report
-        sandbox._stderr_task = asyncio.create_task(sandbox._keep_stderr(), name="sandbox stderr")
-        try:
-            try:
-                fds = await receive_fds(
-                    pairs[plan.egress_handoff.name][0], tag=b"E", count=2,
-                    timeout_s=START_TIMEOUT_S, what="egress listeners",
+            sandbox = made[0]
+            sandbox._adopted, sandbox._rules = launched.adopted, launched.supervisor
+            if sandbox._rules is not None:
+                asyncio.get_running_loop().add_reader(
+                    sandbox._rules.report_fd, sandbox._on_reports
                 )
-                http, socks = (socket.socket(fileno=fd) for fd in fds)
-                sandbox._adopted = await egress.adopt(http, socks)
-                if plan.create_rules is not None:
-                    listener = await receive_listener(pairs[plan.create_rules.socket.name][0])
-                    sandbox._rules = CreateRuleSupervisor.start(
-                        listener, plan.create_rules.globs, library=plan.create_rules.library,
-                        identity=plan.identity,
-                        paths=path_rules(plan.create_rules),
-                    )
-                    asyncio.get_running_loop().add_reader(
-                        sandbox._rules.report_fd, sandbox._on_reports
-                    )
-            finally:
-                for our_end, _ in pairs.values():
-                    our_end.close()
             # The launcher has made its listeners, so bwrap has set up every mount by now.
-            sandbox._launcher_pid = _only_child(proc.pid)
+            sandbox._launcher_pid = _only_child(launched.proc.pid)
             if sandbox._launcher_pid is not None:
                 sandbox._mounts = _mount_table(sandbox._launcher_pid)
         except BaseException as exc:
-            await sandbox.aclose()
-            if isinstance(exc, EnforcementFailed) and sandbox._stderr_tail:
-                said = b"".join(sandbox._stderr_tail).decode("utf-8", "replace").strip()
+            if not made:
+                ours.close()
+                raise
+            await made[0].aclose()
+            tail = made[0]._stderr_tail
+            if isinstance(exc, EnforcementFailed) and tail:
+                said = b"".join(tail).decode("utf-8", "replace").strip()
                 raise EnforcementFailed(f"{exc.message}: {said}", fix=exc.fix) from exc
             raise
+        ours.setblocking(False)
         asyncio.get_running_loop().add_reader(ours.fileno(), sandbox._on_reply)
         return sandbox
 
@@ -341,7 +346,7 @@ class SessionSandbox:
                     "the command was not run"
                 ) from exc
         except BaseException:
-            proc.close()
+            proc.close_pipes()
             raise
         finally:
             for fd in mine:

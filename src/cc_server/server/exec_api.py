@@ -89,42 +89,32 @@ def _check_exec(req: ExecRequest) -> None:
             raise Refused(400, "BadRequest", f"cwd: {exc}") from None
 
 
-def _prepare(state: ServerState, session_id: str, req: ExecRequest, *,
-             interactive: bool) -> tuple[SandboxHandle, Execution, bytes | None]:
-    """The execution of `req` (not started) and its stdin bytes (for an interactive one, to be
-    written once it runs); a Refused when the request or the sandbox refuses it."""
+@contextlib.asynccontextmanager
+async def _running(state: ServerState, session_id: str, req: ExecRequest, *,
+                   interactive: bool) -> AsyncIterator[tuple[Execution, bytes | None]]:
+    """Start the command of `req`, tracked for kill and shutdown, with its stdin bytes (for an
+    interactive one, to be written now that it runs); refusals become Refused."""
     _check_exec(req)
     handle = live_handle(state, session_id)
     stdin = _stdin_bytes(req.stdin, req.stdin_base64)
+    started = time.monotonic()
+    execution: Execution | None = None
     try:
-        execution = handle.exec(
+        async with handle.open_exec(
             req.argv, env=req.env, cwd=req.cwd,
             stdin=None if interactive else stdin,
             interactive_stdin=interactive, timeout_s=req.timeout_s,
-        )
+        ) as execution:
+            state.track(handle.session_id, execution)
+            yield execution, stdin
     except CcServerError as exc:
-        raise refusal(exc) from exc
-    return handle, execution, stdin
-
-
-@contextlib.asynccontextmanager
-async def _running(state: ServerState, handle: SandboxHandle,
-                   execution: Execution) -> AsyncIterator[Execution]:
-    """Start the command, tracked for kill and shutdown; refusals become Refused."""
-    started = time.monotonic()
-    try:
-        await execution.__aenter__()
-    except CcServerError as exc:
+        if execution is not None:  # raised by the caller's block, not a refusal to start
+            raise
         log_event("exec.refused", exc.message, level=logging.WARNING,
                   sessionId=handle.session_id, error=type(exc).__name__)
         raise refusal(exc) from exc
-    state.track(handle.session_id, execution)
-    try:
-        yield execution
     finally:
-        try:
-            await execution.__aexit__(None, None, None)
-        finally:
+        if execution is not None:
             state.untrack(handle.session_id, execution)
             log_event("exec.exit", f"{execution.exec_id} exited {execution.exit_code}",
                       sessionId=handle.session_id, execId=execution.exec_id,
@@ -138,8 +128,9 @@ async def exec_collected(request: web.Request) -> web.StreamResponse:
     first `exec_output_limit_bytes`; the rest is read and dropped as it arrives, and counted."""
     state = live_state(request)
     req: ExecRequest = decode_body(await request.read(), ExecRequest)
-    handle, execution, _ = _prepare(state, request.match_info["id"], req, interactive=False)
-    async with _running(state, handle, execution):
+    async with _running(state, request.match_info["id"], req, interactive=False) as (
+        execution, _,
+    ):
         result = await execution.collect(limit_bytes=state.exec_output_limit_bytes)
     return await send_exec_result(request, result)
 
@@ -232,9 +223,9 @@ async def exec_stream(request: web.Request) -> web.StreamResponse:
         if first.type is not WSMsgType.TEXT:
             return ws  # the client went away (or sent something that is not a request)
         req: ExecRequest = decode_body(first.data, ExecRequest)
-        handle, execution, initial = _prepare(state, request.match_info["id"], req,
-                                              interactive=True)
-        async with _running(state, handle, execution):
+        async with _running(state, request.match_info["id"], req, interactive=True) as (
+            execution, initial,
+        ):
             texts = _TextStreams()
             async with asyncio.TaskGroup() as tg:
                 if initial:
@@ -378,9 +369,8 @@ class _SessionStream:
         try:
             if self._state.shutting_down:
                 raise Refused(503, "ShuttingDown", "the server is shutting down")
-            handle, execution, initial = _prepare(
-                self._state, self._handle.session_id, req, interactive=True)
-            async with _running(self._state, handle, execution):
+            async with _running(self._state, self._handle.session_id, req,
+                                interactive=True) as (execution, initial):
                 command.execution = execution
                 if self._closing or command.kill is not None:
                     await execution.kill(reason="disconnected" if self._closing

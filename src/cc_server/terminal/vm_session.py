@@ -13,8 +13,9 @@ import contextlib
 from typing import Final
 
 from cc_server.errors import CcServerError
-from cc_server.microvm.handle import MicroVMHandle, VmExecution
+from cc_server.microvm.handle import MicroVMHandle
 from cc_server.runtime.events import EventType
+from cc_server.runtime.execution import Execution
 from cc_server.terminal.session import HandleSession, check_window
 
 __all__ = ["GUEST_SHELL", "VmTerminalSession", "open_vm_terminal"]
@@ -29,8 +30,11 @@ class VmTerminalSession(HandleSession):
 
     handle: MicroVMHandle
 
-    def __init__(self, handle: MicroVMHandle, execution: VmExecution) -> None:
+    def __init__(
+        self, handle: MicroVMHandle, execution: Execution, stack: contextlib.AsyncExitStack
+    ) -> None:
         self.handle = handle
+        self._stack = stack  # holds the execution's `open_exec` block
         self._execution = execution
         self._events = execution.__aiter__()
         self._closed = False
@@ -72,7 +76,7 @@ class VmTerminalSession(HandleSession):
         check_window(rows, cols)
         if not self._closed:
             with contextlib.suppress(*_DROPPED):
-                self._execution.set_window(rows, cols)
+                self.handle.set_window(self._execution, rows, cols)
 
     async def wait(self) -> int:
         """Wait for the shell to exit; its exit code (128+N for signal N). Output nobody read
@@ -97,7 +101,7 @@ class VmTerminalSession(HandleSession):
         try:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(EXIT_WAIT_S):
-                    await self._execution.__aexit__(None, None, None)
+                    await self._stack.aclose()
         finally:
             if self._exit is None:
                 code = self._execution.exit_code
@@ -116,8 +120,9 @@ async def open_vm_terminal(
         CcServerError: the VM did not start or the shell could not run.
     """
     check_window(rows, cols)
-    execution = handle.exec([GUEST_SHELL, "-l"], env={**env, "SHELL": GUEST_SHELL}, cwd=cwd,
-                            pty=(rows, cols))
-    await execution.__aenter__()
-    return VmTerminalSession(handle, execution)
+    stack = contextlib.AsyncExitStack()
+    execution = await stack.enter_async_context(handle.open_exec(
+        [GUEST_SHELL, "-l"], env={**env, "SHELL": GUEST_SHELL}, cwd=cwd, pty=(rows, cols)
+    ))
+    return VmTerminalSession(handle, execution, stack)
 
