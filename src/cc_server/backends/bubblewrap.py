@@ -25,7 +25,8 @@ from cc_server.backends.plan import (
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.backends.supervisor import GUEST_LAUNCHER, notify_filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
-from cc_server.policy import CompiledPolicy, HostFacts, Mount, SandboxBackend
+from cc_server.policy import CompiledPolicy, HostFacts, Mount, MountKind, SandboxBackend
+from cc_server.policy.compiler import innermost_mount
 from cc_server.policy.paths import is_within
 
 __all__ = ["SANDBOX_HOSTNAME", "SYSTEM_RO_PATHS", "CreateRuleTools", "plan_bubblewrap"]
@@ -224,16 +225,6 @@ def _pin_ancestors(
     return args
 
 
-def _visible_mount(mounts: Sequence[Mount], path: str) -> Mount | None:
-    best: Mount | None = None
-    for mount in mounts:
-        if is_within(path, mount.host_path) and (
-            best is None or len(mount.host_path) > len(best.host_path)
-        ):
-            best = mount
-    return best
-
-
 def _step_deny_write(
     host: HostFacts, policy: CompiledPolicy, pinned: set[str], read_only: set[str]
 ) -> list[str | FdArg]:
@@ -249,7 +240,7 @@ def _step_deny_write(
             # (mounting would create a stub on the host). Same limit as a missing name.
             continue
         done.add(target)
-        mount = _visible_mount(policy.mounts, target)
+        mount = innermost_mount(policy.mounts, target)
         if mount is not None and mount.writable:
             args += _pin_ancestors(mount, target, pinned, read_only)
             args += ["--ro-bind", target, target]  # also covers every bind below it
@@ -271,7 +262,8 @@ def _step_deny_read(
     #    empty read-only tmpfs, files an empty read-only file. Masks come last so they win.
     args: list[str | FdArg] = []
     done: set[str] = set()
-    system = [Mount(host_path=p, literal_path=p, guest_path=p, writable=False, reason="system")
+    system = [Mount(host_path=p, literal_path=p, guest_path=p, writable=False, reason="system",
+                    kind=MountKind.SYSTEM)
               for p in SYSTEM_RO_PATHS]
     for rule in policy.deny_read:
         if not host.exists(rule.path):
@@ -281,7 +273,7 @@ def _step_deny_read(
             # A dangling symlink: its target does not exist, so there is nothing to mount over
             # (mounting would create a stub on the host). Same limit as a missing name.
             continue
-        mount = _visible_mount([*policy.mounts, *system], target)
+        mount = innermost_mount([*policy.mounts, *system], target)
         # A bind at or below the secret (bindMounts: ~/.ssh/keys) exposes it even when nothing
         # above it is visible; the mask on the secret itself hides those binds too.
         if mount is None and not any(is_within(m.host_path, target) for m in policy.mounts):
@@ -294,15 +286,6 @@ def _step_deny_read(
         else:
             args += ["--ro-bind", "/dev/null", target]
     return args
-
-
-def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
-    if policy.workdir is not None:
-        return policy.workdir
-    for mount in policy.mounts:
-        if mount.reason.startswith("bind mount") and host.is_dir(mount.host_path):
-            return mount.host_path
-    return host.home
 
 
 def _hide_base_dirs(policy: CompiledPolicy, egress: EgressBridge) -> list[_Word]:
@@ -494,7 +477,7 @@ def plan_bubblewrap(
 
     pinned: set[str] = {m.host_path for m in policy.mounts}
     read_only: set[str] = set()  # made read-only by step 5; pins must not re-open them
-    cwd = command.cwd or _default_cwd(policy, host)
+    cwd = command.cwd or policy.default_cwd(host)
     serve = (
         InheritedFd(name="session.sock")
         if command.in_session_sandbox

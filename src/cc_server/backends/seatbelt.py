@@ -423,15 +423,6 @@ def build_profile(
     return SeatbeltProfile(text=text, params=tuple(b.params.items), tag=session_tag)
 
 
-def _default_cwd(policy: CompiledPolicy, host: HostFacts) -> str:
-    if policy.workdir is not None:
-        return policy.workdir
-    for mount in policy.mounts:
-        if mount.reason.startswith("bind mount") and host.is_dir(mount.host_path):
-            return mount.host_path
-    return host.home
-
-
 def _check_policy(policy: CompiledPolicy) -> None:
     for mount in policy.mounts:
         if mount.guest_path != mount.literal_path:
@@ -498,7 +489,7 @@ def plan_seatbelt(
         backend=SandboxBackend.NATIVE,
         argv=tuple(argv),
         env=tuple(sorted(env.items())),
-        cwd=command.cwd or _default_cwd(policy, host),
+        cwd=command.cwd or policy.default_cwd(host),
         notes=_notes(policy, command, profile, share_net=share_net),
     )
 

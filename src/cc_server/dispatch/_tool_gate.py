@@ -39,6 +39,7 @@ from cc_server.dispatch.guardrails import GuardrailChain
 from cc_server.dispatch.modes import tools_for_mode
 from cc_server.errors import CcServerError
 from cc_server.policy import CompiledPolicy, Mount
+from cc_server.policy.compiler import innermost_mount
 from cc_server.policy.paths import is_within
 
 __all__ = [
@@ -403,18 +404,6 @@ class ToolGate:
             return self.read_fd(action, fd, mapped.guest, MAX_READ_BYTES)
         finally:
             os.close(fd)
-
-
-def innermost_mount(mounts: tuple[Mount, ...], host: str) -> Mount | None:
-    """The bind whose host path is the longest one holding `host`."""
-    best: Mount | None = None
-    for mount in mounts:
-        root = mount.host_path
-        if is_within(host, root) and (
-            best is None or len(root) > len(best.host_path)
-        ):
-            best = mount
-    return best
 
 
 def replace_content(fd: int, data: bytes) -> None:

@@ -67,7 +67,7 @@ from cc_server.policy import (
     SandboxBindMount,
     SandboxSpec,
 )
-from cc_server.policy.paths import SECRET_DENY_READ, SYSTEM_DENY_READ, is_within
+from cc_server.policy.paths import SECRET_DENY_READ, SYSTEM_DENY_READ, first_exposure, is_within
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.port import SandboxManager
 
@@ -257,15 +257,14 @@ class DispatchService:
         """A run that could read the server's token could drive the server: refuse binds that
         would show it (or the socket base holding every session's proxies)."""
         private = [os.path.realpath(p) for p in self.config.server_private]
-        for mount in spec.bind_mounts:
-            root = os.path.realpath(mount.host_path)
-            for path in private:
-                if is_within(path, root):
-                    raise BadSpec(
-                        f"the dispatch bind {mount.host_path!r} would expose the server's "
-                        f"private {path!r}",
-                        fix="configure agent directories and the dispatch directory outside it",
-                    )
+        binds = [mount.host_path for mount in spec.bind_mounts]
+        exposed = first_exposure(binds, private, os.path.realpath)
+        if exposed is not None:
+            raise BadSpec(
+                f"the dispatch bind {binds[exposed[0]]!r} would expose the server's "
+                f"private {exposed[1]!r}",
+                fix="configure agent directories and the dispatch directory outside it",
+            )
 
     def agent_env(
         self,

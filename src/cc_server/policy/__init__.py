@@ -3,7 +3,14 @@
 Pure: nothing here starts a process or writes a file.
 """
 
-from cc_server.policy.compiler import CompiledPolicy, Mount, PathRule, compile_policy, spellings
+from cc_server.policy.compiler import (
+    CompiledPolicy,
+    Mount,
+    MountKind,
+    PathRule,
+    compile_policy,
+    spellings,
+)
 from cc_server.policy.host import HostFacts, Platform, detect_platform
 from cc_server.policy.paths import PROTECTED_PATTERN_NAMES, STANDARD_DENY_CREATE_GLOBS
 from cc_server.policy.spec import (
@@ -23,6 +30,7 @@ __all__ = [
     "HostFacts",
     "Mode",
     "Mount",
+    "MountKind",
     "PathRule",
     "Platform",
     "SandboxBackend",

@@ -6,6 +6,7 @@ every branch is testable on any OS with fake facts.
 
 from __future__ import annotations
 
+import enum
 import posixpath
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -17,14 +18,17 @@ from cc_server.policy.paths import (
     ROOT_MANDATORY_DENY_WRITE,
     SECRET_DENY_READ,
     SYSTEM_DENY_READ,
+    is_within,
 )
 from cc_server.policy.spec import AgentCapabilities, Mode, SandboxSpec
 
 __all__ = [
     "CompiledPolicy",
     "Mount",
+    "MountKind",
     "PathRule",
     "compile_policy",
+    "innermost_mount",
     "spellings",
 ]
 
@@ -39,6 +43,15 @@ class PathRule:
     reason: str
 
 
+class MountKind(enum.StrEnum):
+    """Why a mount is there (its `reason` says it in words, for people)."""
+
+    BIND = "bind"  # one of the spec's bindMounts
+    RUNNER_STATE = "runner-state"  # one of the spec's runnerStateDirs
+    PROFILE = "profile"  # a fixed profile's own (the terminal's $HOME and working directory)
+    SYSTEM = "system"  # a system path a backend shows read-only
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Mount:
     """A host path made visible in the sandbox.
@@ -51,6 +64,7 @@ class Mount:
     guest_path: str
     writable: bool
     reason: str
+    kind: MountKind = MountKind.BIND
     host_sockets: bool = False
     """Host listeners below it may be connected to (SandboxBindMount.host_sockets)."""
 
@@ -80,7 +94,7 @@ class CompiledPolicy:
     @property
     def exempt_roots(self) -> tuple[str, ...]:
         """Runner state directories: the path patterns do not apply below them."""
-        return tuple(m.host_path for m in self.mounts if m.reason == "runner state directory")
+        return tuple(m.host_path for m in self.mounts if m.kind is MountKind.RUNNER_STATE)
 
     @property
     def host_socket_dirs(self) -> tuple[str, ...]:
@@ -92,11 +106,33 @@ class CompiledPolicy:
         """Resolved host paths that are writable, in mount order."""
         return tuple(m.host_path for m in self.mounts if m.writable)
 
+    def default_cwd(self, host: HostFacts) -> str:
+        """Where a command without a cwd starts: the workdir, else the first of the spec's
+        bindMounts that is a directory, else $HOME."""
+        if self.workdir is not None:
+            return self.workdir
+        for mount in self.mounts:
+            if mount.kind is MountKind.BIND and host.is_dir(mount.host_path):
+                return mount.host_path
+        return host.home
+
     @property
     def requires_create_rules(self) -> bool:
         """True when the policy forbids creating names by glob or writing protected path
         patterns, which needs a capable backend (the create-rule supervisor)."""
         return bool(self.deny_create_globs or self.protected_patterns)
+
+
+def innermost_mount(mounts: Iterable[Mount], host_path: str) -> Mount | None:
+    """The mount whose host path is the longest one holding `host_path` (the first of equal
+    ones), or None when none holds it: what a path shows inside the sandbox."""
+    best: Mount | None = None
+    for mount in mounts:
+        if is_within(host_path, mount.host_path) and (
+            best is None or len(mount.host_path) > len(best.host_path)
+        ):
+            best = mount
+    return best
 
 
 def _is_glob(path: str) -> bool:
@@ -214,6 +250,7 @@ def compile_policy(
                 guest_path=state_dir,
                 writable=True,
                 reason="runner state directory",
+                kind=MountKind.RUNNER_STATE,
             )
         )
 

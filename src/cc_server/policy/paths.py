@@ -7,6 +7,7 @@ a reason a reviewer can check.
 from __future__ import annotations
 
 import posixpath
+from collections.abc import Callable, Sequence
 from typing import Final
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "SECRET_DENY_READ",
     "STANDARD_DENY_CREATE_GLOBS",
     "SYSTEM_DENY_READ",
+    "first_exposure",
     "is_within",
     "relative_within",
 ]
@@ -172,3 +174,17 @@ def relative_within(path: str, root: str) -> str | None:
 def is_within(path: str, root: str) -> bool:
     """Whether `path` is `root` or lies below it (as `relative_within` compares them)."""
     return relative_within(path, root) is not None
+
+
+def first_exposure(
+    host_paths: Sequence[str], private: Sequence[str], realpath: Callable[[str], str]
+) -> tuple[int, str] | None:
+    """The first bind that would show one of the server's private paths: (its index in
+    `host_paths`, the private path), or None. A bind shows a path when its resolved host path
+    holds it; `private` are real paths already."""
+    for index, host_path in enumerate(host_paths):
+        root = realpath(host_path)
+        for path in private:
+            if is_within(path, root):
+                return index, path
+    return None

@@ -22,7 +22,7 @@ from aiohttp import WSMsgType, web
 from cc_server.errors import BackendUnavailable, BadSpec, CcServerError
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
-from cc_server.policy.paths import is_within
+from cc_server.policy.paths import first_exposure
 from cc_server.runtime.events import EgressChanged, EgressRequest, SandboxState, SandboxViolation
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.server.egress_api import answer_request, change_egress, egress_of, egress_view
@@ -101,16 +101,15 @@ def _backend(name: str | None) -> SandboxBackend | None:
 def _check_token_not_exposed(state: ServerState, spec: SandboxSpec) -> None:
     """A sandbox that could read the server's token could drive the server; refuse the binds
     that would show it (the egress socket directory is hidden by the backend itself)."""
-    token = state.token_real_path
-    for i, mount in enumerate(spec.bind_mounts):
-        root = state.manager.host.realpath(mount.host_path)
-        if is_within(token, root):
-            raise refusal(BadSpec(
-                f"bindMounts[{i}].hostPath {mount.host_path!r} would expose the server's bearer "
-                "token file",
-                fix="bind a directory that does not contain the token file, or start the server "
-                "with --token-file elsewhere",
-            ))
+    binds = [mount.host_path for mount in spec.bind_mounts]
+    exposed = first_exposure(binds, [state.token_real_path], state.manager.host.realpath)
+    if exposed is not None:
+        i = exposed[0]
+        raise refusal(BadSpec(
+            f"bindMounts[{i}].hostPath {binds[i]!r} would expose the server's bearer token file",
+            fix="bind a directory that does not contain the token file, or start the server "
+            "with --token-file elsewhere",
+        ))
 
 
 @routes.post("/v1/sandboxes")

@@ -19,6 +19,7 @@ from cc_server.policy import (
     HostFacts,
     Mode,
     Mount,
+    MountKind,
     PathRule,
     spellings,
 )
@@ -69,7 +70,7 @@ def terminal_policy(
             continue
         mounts.append(
             Mount(host_path=resolved, literal_path=path, guest_path=path, writable=True,
-                  reason=reason)
+                  reason=reason, kind=MountKind.PROFILE)
         )
     deny_read: list[PathRule] = []
     entries = [(posixpath.join(home, rel), reason) for rel, reason in TERMINAL_DENY_READ]

@@ -40,6 +40,7 @@ from cc_server.policy import (
     HostFacts,
     Mode,
     Mount,
+    MountKind,
     PathRule,
     Platform,
     SandboxBackend,
@@ -158,7 +159,8 @@ def rules_of(launch: LaunchPlan) -> list[Rule]:
 def terminal_policy(workdir: str = "/tmp/work") -> CompiledPolicy:
     """The terminal's fixed profile (spec, "Server-hosted terminal"), built as the terminal
     package does: $HOME and the working dir writable, the five secret paths read-denied."""
-    mounts = [Mount(host_path=_resolve(p), literal_path=p, guest_path=p, writable=True, reason=r)
+    mounts = [Mount(host_path=_resolve(p), literal_path=p, guest_path=p, writable=True, reason=r,
+                    kind=MountKind.PROFILE)
               for p, r in ((HOME, "terminal profile: $HOME"), (workdir, "terminal profile: cwd"))]
     deny_read = [PathRule(path=s, reason=reason)
                  for rel, reason in ((".ssh", "SSH keys"), (".aws", "AWS credentials"),

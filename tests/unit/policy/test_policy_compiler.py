@@ -17,6 +17,7 @@ from cc_server.policy import (
     HostFacts,
     Mode,
     Mount,
+    MountKind,
     PathRule,
     SandboxSpec,
     compile_policy,
@@ -89,6 +90,7 @@ def test_mode_table_mounts(mode: Mode, host: HostFacts) -> None:
             guest_path="/tmp/state",
             writable=True,
             reason="runner state directory",
+            kind=MountKind.RUNNER_STATE,
         ),
     )
 
@@ -451,3 +453,25 @@ def test_host_sockets_need_a_read_only_bind(host: HostFacts) -> None:
     assert "readOnly: true" in (err.value.fix or "")
     ok = make_spec(bindMounts=[{"hostPath": "/tmp/work", "hostSockets": True, "readOnly": True}])
     assert compile_policy(ok, host).host_socket_dirs == ("/tmp/work",)
+
+
+def test_default_cwd_is_the_workdir_else_the_first_bind_directory_else_home(
+    make_host: MakeHost,
+) -> None:
+    """Told apart by the mount's kind, not its reason's text: a runner state directory or a
+    profile's mount is never the default, even when it comes first."""
+    existing = {"/tmp/work", "/tmp/state", "/opt/ro", "/private/tmp/work", "/private/tmp/state"}
+    host = make_host(existing=existing)
+    spec = make_spec(guestWorkdir="/tmp/work")
+    assert compile_policy(spec, host).default_cwd(host) == "/tmp/work"
+    policy = compile_policy(make_spec(), host)
+    assert policy.default_cwd(host) == "/private/tmp/work"  # the first bind, resolved
+    state_first = dataclasses.replace(policy, mounts=policy.mounts[::-1])
+    assert state_first.mounts[0].kind is MountKind.RUNNER_STATE
+    assert state_first.default_cwd(host) == "/opt/ro"  # the first bind: /tmp/state is skipped
+    profile = dataclasses.replace(
+        policy, mounts=tuple(dataclasses.replace(m, kind=MountKind.PROFILE) for m in policy.mounts)
+    )
+    assert profile.default_cwd(host) == FAKE_HOME
+    # No bind is a directory (only the runner state directory is): $HOME.
+    assert policy.default_cwd(make_host(existing={"/private/tmp/state"})) == FAKE_HOME

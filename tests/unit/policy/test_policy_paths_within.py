@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cc_server.policy.paths import is_within, relative_within
+from cc_server.policy.paths import first_exposure, is_within, relative_within
 
 COMPONENT = st.sampled_from(["", ".", "..", "a", "b", "bc", "a.b", ".git", "..a"])
 ABSOLUTE = st.builds(
@@ -66,3 +66,18 @@ def test_within_is_a_prefix_of_the_walked_components(path: str, root: str) -> No
 def test_spellings_a_prefix_test_gets_wrong(path: str, root: str, expected: str | None) -> None:
     assert relative_within(path, root) == expected
     assert is_within(path, root) is (expected is not None)
+
+
+def test_first_exposure_is_the_first_bind_holding_a_private_path() -> None:
+    links = {"/link": "/srv/state"}
+
+    def realpath(path: str) -> str:
+        return next((links[k] + path[len(k):] for k in links if is_within(path, k)), path)
+
+    private = ["/srv/state/token", "/run/cc/sockets"]
+    assert first_exposure(["/work", "/srv/stat"], private, realpath) is None  # a prefix only
+    assert first_exposure(["/work", "/srv"], private, realpath) == (1, "/srv/state/token")
+    assert first_exposure(["/link"], private, realpath) == (0, "/srv/state/token")  # resolved
+    assert first_exposure(["/run/cc/sockets"], private, realpath) == (0, "/run/cc/sockets")
+    assert first_exposure(["/srv/state/token/x"], private, realpath) is None  # below is fine
+    assert first_exposure(["/", "/srv"], private, realpath) == (0, "/srv/state/token")
