@@ -13,7 +13,7 @@ from typing import Any
 from cc_server.backends.bubblewrap import DEFAULT_PATH
 from cc_server.errors import BadSpec
 from cc_server.policy import SandboxBackend, SandboxSpec, parse_spec
-from cc_server.policy.paths import is_within
+from cc_server.policy.paths import first_exposure, is_within
 
 __all__ = [
     "DEFAULT_DOTFILES",
@@ -161,11 +161,13 @@ def _refuse_exposed_tokens(spec: SandboxSpec) -> None:
     Raises:
         BadSpec: a bind is or contains the token file a live server of this user recorded.
     """
-    from cc_server.rundir import exposed_by, live_server_token_files
+    from cc_server.rundir import live_server_token_files
 
-    found = exposed_by([m.host_path for m in spec.bind_mounts], live_server_token_files())
+    binds = [m.host_path for m in spec.bind_mounts]
+    tokens = [os.path.realpath(path) for path in live_server_token_files()]
+    found = first_exposure(binds, tokens, os.path.realpath)
     if found is not None:
-        bind, token = found
+        bind, token = binds[found[0]], found[1]
         raise BadSpec(
             f"the bind {bind!r} would expose the bearer token file {token!r} of a running "
             "cc-server",

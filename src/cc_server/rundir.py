@@ -19,12 +19,12 @@ from collections.abc import Mapping
 from typing import Final
 
 from cc_server.errors import EnforcementFailed
+from cc_server.policy.paths import is_within
 
 __all__ = [
     "BASE_DIR_NAME",
     "base_dir_views",
     "egress_base_dir",
-    "exposed_by",
     "forget_server_token",
     "known_base_dirs",
     "live_server_token_files",
@@ -180,10 +180,6 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
 def base_dir_views(
     own: str | None = None,
     environ: Mapping[str, str] = os.environ,
@@ -201,11 +197,11 @@ def base_dir_views(
     views = set(bases)
     for base in bases:
         for device, root, point in mounts:
-            if not _inside(base, point):
+            if not is_within(base, point):
                 continue
             in_fs = os.path.normpath(os.path.join(root, os.path.relpath(base, point)))
             for other_device, other_root, other_point in mounts:
-                if other_device != device or not _inside(in_fs, other_root):
+                if other_device != device or not is_within(in_fs, other_root):
                     continue
                 view = os.path.normpath(
                     os.path.join(other_point, os.path.relpath(in_fs, other_root))
@@ -283,16 +279,3 @@ def live_server_token_files(environ: Mapping[str, str] = os.environ) -> list[str
                         if os.path.isabs(path) and path not in tokens:
                             tokens.append(path)
     return tokens
-
-
-def exposed_by(bind_roots: list[str], private: list[str]) -> tuple[str, str] | None:
-    """The first (bind, private path) where bind `bind_roots[i]` would show `private` inside a
-    sandbox (the private path is the bind or lies under it; both compared as real paths), else
-    None. The server's own check of its token file and this CLI's share this rule."""
-    for root in bind_roots:
-        real_root = os.path.realpath(root)
-        for path in private:
-            real = os.path.realpath(path)
-            if _inside(real, real_root):
-                return root, path
-    return None

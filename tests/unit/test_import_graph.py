@@ -31,7 +31,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
         "errors",
-        "cc_server policy rundir",  # cc_server: the package's root (its errors, __version__)
+        "cc_server policy",  # cc_server: the package's root (its errors, __version__)
+        "rundir",  # the run directory: base directories, their registry, dead owners' names
         "backends",
         "egress microvm",  # microvm: the machine (image, vm, pool, link, probe), a backend's part
         "runtime",
