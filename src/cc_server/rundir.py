@@ -188,10 +188,14 @@ def base_dir_views(
     """Every host path at which one of `known_base_dirs` is visible: each base itself and every
     alias through a mount (a bind mount of the base, or of a directory above it, elsewhere),
     found from the mount table and confirmed by device and inode. Sorted, for stable plans."""
-    bases = known_base_dirs(own, environ)
+    bases = []
     identities = set()
-    for base in bases:
-        info = os.lstat(base)
+    for base in known_base_dirs(own, environ):
+        try:
+            info = os.lstat(base)
+        except FileNotFoundError:  # removed since it was found (its server stopped): not shown
+            continue
+        bases.append(base)
         identities.add((info.st_dev, info.st_ino))
     mounts = _mounts(mountinfo)
     views = set(bases)

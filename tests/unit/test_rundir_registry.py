@@ -7,6 +7,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 from cc_server import rundir
 
 
@@ -27,3 +29,16 @@ def test_a_gone_base_is_forgotten_and_a_live_one_found() -> None:
     finally:
         shutil.rmtree(live_tmp, ignore_errors=True)
         shutil.rmtree(gone_tmp, ignore_errors=True)
+
+
+def test_a_base_removed_while_the_views_are_found_is_left_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    live = tempfile.mkdtemp(prefix="ccr-", dir="/tmp")
+    gone = os.path.join(live, "removed-meanwhile")  # found, then removed before its lstat
+    monkeypatch.setattr(rundir, "known_base_dirs", lambda own, environ: [live, gone])
+    try:
+        views = rundir.base_dir_views(live, environ={})
+        assert live in views and not [v for v in views if v.endswith("/removed-meanwhile")]
+    finally:
+        shutil.rmtree(live, ignore_errors=True)
