@@ -87,6 +87,14 @@ def start_server(work: str, runtime: str, profile: str | None = None
         raise SystemExit(f"the server did not start:\n{f.read()}")
 
 
+def print_server_errors(log_path: str) -> None:
+    """The server's warning and error lines, for a run that failed."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if '"level": "warning"' in line or '"level": "error"' in line]
+    print(f"the server logged {len(lines)} warnings and errors:", *lines[-20:], sep="\n",
+          file=sys.stderr)
+
+
 def resources(pid: int) -> tuple[int, int]:
     """(open fds, child processes) of `pid`."""
     fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -346,7 +354,7 @@ async def main_async(args: argparse.Namespace) -> int:
         return 1
     work = tempfile.mkdtemp(prefix="cc-bench-server-")
     runtime = tempfile.mkdtemp(prefix="ccb-", dir="/tmp")
-    proc, _log_path, port, token = start_server(work, runtime, args.profile)
+    proc, log_path, port, token = start_server(work, runtime, args.profile)
     url = f"http://127.0.0.1:{port}"
     try:
         await warm_up(url, token, work)
@@ -402,6 +410,9 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"server fds/children: idle {idle[0]}/{idle[1]}, after {after[0]}/{after[1]} "
               f"({'back to idle' if back else 'NOT back to idle'})")
         return 0 if back else 1
+    except BaseException:
+        print_server_errors(log_path)
+        raise
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

@@ -43,7 +43,7 @@ from cc_server.server.api import (
     ws_refuse,
 )
 from cc_server.server.exec_result import send_exec_result
-from cc_server.server.logs import log_event
+from cc_server.server.logs import LOGGER_NAME, log_event
 from cc_server.server.models import ExecRequest, ExecStreamInput, SessionStreamInput
 from cc_server.server.state import STATE, ServerState
 from cc_server.server.status import LIMIT_STATUS, Refused, error_body, refusal
@@ -60,6 +60,7 @@ SESSION_INPUT_QUEUE: Final = 64
 SESSION_POLL_S: Final = 1.0  # how often an idle session stream checks that its sandbox lives
 
 routes = web.RouteTableDef()
+_log = logging.getLogger(LOGGER_NAME)
 _encode = msgspec.json.Encoder().encode
 
 
@@ -389,6 +390,13 @@ class _SessionStream:
         except Refused as refused:
             self._forget(command)
             await self._error(command.id, refused.status, refused.body)
+        except Exception as exc:  # a fault of the host or a bug: this command's, not the stream's
+            self._forget(command)
+            _log.exception("session stream %s: command %r failed", self._handle.session_id,
+                           command.id)
+            await self._error(command.id, 500, error_body(
+                "InternalError", f"the command failed ({type(exc).__name__}: {exc}); it was "
+                "killed if it had started", "see the server's log"))
         finally:
             self._forget(command)
 
