@@ -47,6 +47,7 @@ from cc_server.backends import peer
 from cc_server.backends.fdpass import wait_readable
 from cc_server.cli_socket import receive_message, send_message
 from cc_server.rundir import names_of_dead_owners
+from cc_server.tasks import start_task
 
 if TYPE_CHECKING:
     from cc_server.policy import CompiledPolicy, SandboxBackend, SandboxSpec
@@ -236,7 +237,8 @@ class _Daemon:
                     timeout_s=args.timeout,
                 ) as execution:
                     interrupted = asyncio.Event()  # by a forwarded signal, or the client gone
-                    watcher = asyncio.create_task(_watch_client(client, execution, interrupted))
+                    watcher = start_task(_watch_client(client, execution, interrupted),
+                                         name="daemon client watch")
                     try:
                         if relay:
                             await cli.relay_stdio(execution, stdio)

@@ -30,7 +30,7 @@ PACKAGE = pathlib.Path(cc_server.__file__).parent
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
-        "errors",
+        "errors tasks",
         "cc_server policy",  # cc_server: the package's root (its errors, __version__)
         "rundir",  # the run directory: base directories, their registry, dead owners' names
         "backends",

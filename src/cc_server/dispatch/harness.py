@@ -27,6 +27,7 @@ from cc_server.policy import Mode
 from cc_server.runtime.events import SandboxViolation
 from cc_server.runtime.handle import Execution, SandboxHandle
 from cc_server.runtime.output import BoundedOutput, drain
+from cc_server.tasks import start_task
 
 __all__ = [
     "DEFAULT_MAX_OUTPUT_BYTES",
@@ -282,9 +283,7 @@ class HarnessBash:
         ))
         terminal = Terminal(f"term-{secrets.token_hex(6)}", execution, stack, limit)
         # Owned by this harness: `aclose` (or `release`) kills the command and awaits the task.
-        terminal._task = asyncio.get_running_loop().create_task(
-            terminal._pump(), name=f"terminal {terminal.terminal_id}"
-        )
+        terminal._task = start_task(terminal._pump(), name=f"terminal {terminal.terminal_id}")
         self.terminals[terminal.terminal_id] = terminal
         return terminal
 

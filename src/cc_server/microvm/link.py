@@ -30,6 +30,7 @@ from cc_server.microvm.proto import (
     encode,
     hello_payload,
 )
+from cc_server.tasks import start_task
 
 __all__ = ["AgentGone", "AgentLink", "ExecChannel"]
 
@@ -130,7 +131,7 @@ class AgentLink:
         self._decoder = FrameDecoder()
         self._gone = None
         self._writer = writer
-        self._reader_task = asyncio.create_task(self._read(reader), name="microvm agent reader")
+        self._reader_task = start_task(self._read(reader), name="microvm agent reader")
 
     async def detach(self) -> None:
         """Drop the connection (the VM is being suspended or destroyed); every outbound
@@ -275,7 +276,7 @@ class AgentLink:
         if directory is None or which >= len(PROXY_SOCKETS):
             self._abort(frame.channel)
             return
-        task = asyncio.create_task(
+        task = start_task(
             self._conn_main(frame.channel, directory / PROXY_SOCKETS[which]),
             name=f"microvm conn {frame.channel:#x}",
         )

@@ -16,6 +16,7 @@ from cc_server.errors import CcServerError
 from cc_server.microvm.handle import MicroVMHandle
 from cc_server.runtime.events import EventType
 from cc_server.runtime.execution import Execution
+from cc_server.tasks import start_task
 from cc_server.terminal.session import HandleSession, check_window
 
 __all__ = ["GUEST_SHELL", "VmTerminalSession", "open_vm_terminal"]
@@ -81,8 +82,8 @@ class VmTerminalSession(HandleSession):
     async def wait(self) -> int:
         """Wait for the shell to exit; its exit code (128+N for signal N). Output nobody read
         stays buffered for `read()` (as far as the command's event queue holds it)."""
-        done = asyncio.ensure_future(self._execution.wait_done())
-        exited = asyncio.ensure_future(self._exited.wait())
+        done = start_task(self._execution.wait_done(), name="vm terminal command done")
+        exited = start_task(self._exited.wait(), name="vm terminal exited")
         try:
             await asyncio.wait((done, exited), return_when=asyncio.FIRST_COMPLETED)
         finally:
