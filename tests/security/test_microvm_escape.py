@@ -217,6 +217,36 @@ async def test_the_agent_channel_is_out_of_reach(tmp_path: pathlib.Path) -> None
         await m.aclose()
 
 
+# The capabilities no command may hold or regain (agent.c's dropped_caps): CAP_SYS_ADMIN,
+# CAP_SYS_MODULE, CAP_SYS_RAWIO, CAP_SYS_PTRACE, CAP_SYS_BOOT, CAP_MKNOD, CAP_SYS_TIME, ...
+DROPPED_CAPS = (21, 16, 17, 19, 22, 27, 25, 33, 32, 39, 38, 34, 9, 12, 24)
+
+
+async def test_commands_hold_no_dropped_capability_and_cannot_regain_one(
+    tmp_path: pathlib.Path,
+) -> None:
+    # The agent drops them once from its own bounding and inheritable sets; a command (and what
+    # it execs) gets at most the bounding set, runs with no_new_privs, in the freezable cgroup.
+    m = manager(tmp_path)
+    try:
+        handle = await launch(m)
+        for argv in (["cat", "/proc/self/status", "/proc/self/cgroup"],
+                     ["/bin/sh", "-c", "exec cat /proc/self/status /proc/self/cgroup"]):
+            result = await run_collect(handle, argv)
+            text = result.stdout.decode()
+            fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+            for name in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
+                held = int(fields[name].strip(), 16)
+                assert not [c for c in DROPPED_CAPS if held >> c & 1], (name, text)
+            assert fields["NoNewPrivs"].strip() == "1", text
+            assert "0::/cmds" in text.splitlines(), text
+        refused = await run_collect(handle, ["/bin/sh", "-c",
+                                             "mount -t tmpfs x /tmp && echo MOUNTED"])
+        assert b"MOUNTED" not in refused.stdout, refused
+    finally:
+        await m.aclose()
+
+
 def _ppid(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return int(next(x for x in f if x.startswith("PPid:")).split()[1])

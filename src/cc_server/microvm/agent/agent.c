@@ -21,6 +21,7 @@
 #include <linux/random.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -43,6 +44,7 @@
 #define MAX_PAYLOAD (64 * 1024) /* one frame's payload; the host uses the same limit */
 #define MAX_CHANNELS 256        /* commands and connections alive at once */
 #define HDR 9
+#define SMALL_FRAME 4096 /* payloads up to this size go out with their header in one write */
 #define DRAIN_AFTER_EXIT_MS 2000 /* how long a descendant may hold a command's output open */
 #define HTTP_PROXY_PORT 3128
 #define SOCKS_PROXY_PORT 1080
@@ -120,8 +122,16 @@ static void send_frame(uint32_t chan, int type, const void *data, size_t len) {
     put32(hdr, (uint32_t)len);
     put32(hdr + 4, chan);
     hdr[8] = (unsigned char)type;
+    /* One write, so one virtqueue buffer and one notification to QEMU for the whole frame. */
+    if (len <= SMALL_FRAME) {
+        unsigned char frame[HDR + SMALL_FRAME];
+        memcpy(frame, hdr, HDR);
+        if (len) memcpy(frame + HDR, data, len);
+        write_all(port_fd, frame, HDR + len);
+        return;
+    }
     write_all(port_fd, hdr, HDR);
-    if (len) write_all(port_fd, data, len);
+    write_all(port_fd, data, len);
 }
 
 static void send_result(uint32_t chan, int err, const char *msg) {
@@ -192,6 +202,12 @@ static const int dropped_caps[] = {
     CAP_LINUX_IMMUTABLE, CAP_NET_ADMIN, CAP_SYS_RESOURCE,
 };
 
+/* Once, at start: the dropped capabilities leave the agent's bounding set and inheritable set,
+ * and no_new_privs is set, all inherited by every command. A command runs as root, so at its
+ * exec it gets exactly the bounding set; the agent keeps its own effective set for the mounts.
+ * Its errno when it failed: then every command fails before it execs. */
+static int caps_error = ENOSYS;
+
 static int drop_caps(void) {
     struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2];
@@ -199,11 +215,13 @@ static int drop_caps(void) {
     for (size_t i = 0; i < sizeof dropped_caps / sizeof dropped_caps[0]; i++) {
         int cap = dropped_caps[i];
         if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno != EINVAL) return -1;
-        data[cap / 32].effective &= ~(1u << (cap % 32));
-        data[cap / 32].permitted &= ~(1u << (cap % 32));
         data[cap / 32].inheritable &= ~(1u << (cap % 32));
     }
     if (syscall(SYS_capset, &hdr, data) != 0) return -1;
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) != 0 && errno != EINVAL) return -1;
+    for (size_t i = 0; i < sizeof dropped_caps / sizeof dropped_caps[0]; i++) {
+        if (prctl(PR_CAPBSET_READ, dropped_caps[i], 0, 0, 0) == 1) { errno = EPERM; return -1; }
+    }
     return prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0);
 }
 
@@ -269,6 +287,112 @@ static void do_freeze(uint32_t id, int frozen) {
     send_result(id, rc == 0 ? 0 : errno, rc == 0 ? "ok" : strerror(errno));
 }
 
+/* What a command's child needs. The child shares the agent's memory until it execs (see
+ * spawn), so it only reads this, writes nothing of the agent's, and keeps to its own stack. */
+struct spawn {
+    char **argv, **envp;
+    const char *cwd;
+    const char *slave_name; /* a PTY command's terminal, or NULL */
+    int stdin_fd, out_fd, err_fd; /* pipe ends (stdin -1: /dev/null) */
+    int join_cgroup;        /* not created in the commands' cgroup: join it first */
+};
+
+static int child_main(void *arg) {
+    const struct spawn *s = arg;
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+    setsid();
+    if (s->slave_name) {
+        int slave = open(s->slave_name, O_RDWR);
+        if (slave < 0) _exit(126);
+        ioctl(slave, TIOCSCTTY, 0);
+        dup2(slave, 0); dup2(slave, 1); dup2(slave, 2);
+        if (slave > 2) close(slave);
+    } else {
+        int devnull = open("/dev/null", O_RDWR);
+        dup2(s->stdin_fd >= 0 ? s->stdin_fd : devnull, 0);
+        dup2(s->out_fd, 1);
+        dup2(s->err_fd, 2);
+    }
+    int efd = 2;
+    if (caps_error != 0) { errno = caps_error; child_fail(efd, "drop", "capabilities"); }
+    /* Into the freezable group before anything of the command runs; a command outside it
+       could run while a suspend has the carve-outs off. */
+    if (s->join_cgroup) {
+        char self[16];
+        snprintf(self, sizeof self, "%d", (int)getpid());
+        if (cg_cmds < 0) errno = ENOSYS;
+        if (cg_cmds < 0 || cg_write("cgroup.procs", self) != 0) child_fail(efd, "join", "cgroup");
+    }
+    if (s->cwd[0] && chdir(s->cwd) != 0) child_fail(efd, "chdir", s->cwd);
+    execvpe(s->argv[0], s->argv, s->envp);
+    child_fail(efd, "exec", s->argv[0]);
+    return 127;
+}
+
+#if defined(__x86_64__)
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+struct clone_args_v2 {
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal, stack, stack_size, tls;
+    uint64_t set_tid, set_tid_size, cgroup;
+};
+
+/* clone3, the child running fn(arg) on its own stack and exiting with its result; the raw
+ * syscall's return (pid, or -errno) in the parent. */
+static long clone3_run(struct clone_args_v2 *ca, int (*fn)(void *), void *arg) {
+    register long rax __asm__("rax") = SYS_clone3;
+    register struct clone_args_v2 *rdi __asm__("rdi") = ca;
+    register long rsi __asm__("rsi") = sizeof *ca;
+    register void *r12 __asm__("r12") = arg;
+    register int (*r13)(void *) __asm__("r13") = fn;
+    __asm__ volatile(
+        "syscall\n\t"
+        "test %%rax, %%rax\n\t"
+        "jnz 1f\n\t"
+        "xor %%ebp, %%ebp\n\t"
+        "mov %%r12, %%rdi\n\t"
+        "call *%%r13\n\t"
+        "mov %%eax, %%edi\n\t"
+        "mov %[exit], %%eax\n\t"
+        "syscall\n\t"
+        "ud2\n"
+        "1:"
+        : "+r"(rax)
+        : "r"(rdi), "r"(rsi), "r"(r12), "r"(r13), [exit] "i"(SYS_exit)
+        : "rcx", "r11", "memory");
+    return rax;
+}
+#endif
+
+/* The command's process. Under TCG, where a guest page fault costs tens of microseconds, a
+ * fork (copying the agent's page tables, then faulting every page either side writes) and a
+ * move into the cgroup after it cost milliseconds per command: the child is created with the
+ * agent's memory shared and the agent stopped until the child execs (CLONE_VM | CLONE_VFORK),
+ * straight into the commands' cgroup (CLONE_INTO_CGROUP). A kernel without clone3 gets fork. */
+static pid_t spawn(struct spawn *s) {
+#if defined(__x86_64__)
+    static unsigned char stack[64 * 1024] __attribute__((aligned(16)));
+    struct clone_args_v2 ca = {
+        .flags = CLONE_VM | CLONE_VFORK | (cg_cmds >= 0 ? CLONE_INTO_CGROUP : 0),
+        .exit_signal = SIGCHLD,
+        .stack = (uintptr_t)stack,
+        .stack_size = sizeof stack,
+        .cgroup = cg_cmds >= 0 ? (uint64_t)cg_cmds : 0,
+    };
+    s->join_cgroup = cg_cmds < 0;
+    long ret = clone3_run(&ca, child_main, s);
+    if (ret >= 0) return (pid_t)ret;
+    if (ret != -ENOSYS && ret != -EINVAL) { errno = (int)-ret; return -1; }
+#endif
+    s->join_cgroup = 1;
+    pid_t pid = fork();
+    if (pid == 0) _exit(child_main(s));
+    return pid;
+}
+
 static void do_exec(uint32_t id, const unsigned char *p, size_t len) {
     if (len < 12 || find(id)) { send_result(id, EINVAL, "bad exec frame"); return; }
     uint32_t flags = get32(p);
@@ -306,46 +430,20 @@ static void do_exec(uint32_t id, const unsigned char *p, size_t len) {
         if (pipe2(out, O_CLOEXEC) || pipe2(err, O_CLOEXEC) ||
             ((flags & EXEC_STDIN) && pipe2(in, O_CLOEXEC))) {
             send_result(id, errno, "no pipes");
+            for (int i = 0; i < 2; i++) { if (out[i] >= 0) close(out[i]); if (err[i] >= 0) close(err[i]); }
             free_chan(c); free(copy); free(argv); free(envp);
             return;
         }
     }
-    pid_t pid = fork();
-    if (pid == 0) {
-        sigset_t none;
-        sigemptyset(&none);
-        sigprocmask(SIG_SETMASK, &none, NULL);
-        setsid();
-        int efd;
-        if (master >= 0) {
-            int slave = open(slave_name, O_RDWR);
-            if (slave < 0) _exit(126);
-            ioctl(slave, TIOCSCTTY, 0);
-            dup2(slave, 0); dup2(slave, 1); dup2(slave, 2);
-            if (slave > 2) close(slave);
-            efd = 2;
-        } else {
-            int devnull = open("/dev/null", O_RDWR);
-            dup2((flags & EXEC_STDIN) ? in[0] : devnull, 0);
-            dup2(out[1], 1);
-            dup2(err[1], 2);
-            efd = 2;
-        }
-        /* Into the freezable group before anything of the command runs; a command outside it
-           could run while a suspend has the carve-outs off. */
-        char self[16];
-        snprintf(self, sizeof self, "%d", (int)getpid());
-        if (cg_cmds < 0) errno = ENOSYS;
-        if (cg_cmds < 0 || cg_write("cgroup.procs", self) != 0) child_fail(efd, "join", "cgroup");
-        if (drop_caps() != 0) child_fail(efd, "drop", "capabilities");
-        if (cwd[0] && chdir(cwd) != 0) child_fail(efd, "chdir", cwd);
-        environ = envp;
-        execvp(argv[0], argv);
-        child_fail(efd, "exec", argv[0]);
-    }
+    struct spawn sp = {
+        .argv = argv, .envp = envp, .cwd = cwd, .slave_name = slave_name,
+        .stdin_fd = in[0], .out_fd = out[1], .err_fd = err[1],
+    };
+    pid_t pid = spawn(&sp);
+    int saved = errno;
     free(copy); free(argv); free(envp);
     if (pid < 0) {
-        send_result(id, errno, "fork failed");
+        send_result(id, saved, "fork failed");
         if (master >= 0) close(master);
         for (int i = 0; i < 2; i++) { if (out[i] >= 0) close(out[i]); if (err[i] >= 0) close(err[i]); if (in[i] >= 0) close(in[i]); }
         free_chan(c);
@@ -585,7 +683,28 @@ static int forward(struct chan *c, int fd, int type) {
     return 0; /* EOF, or EIO from a pty whose last slave closed */
 }
 
+#if defined(__x86_64__)
+/* `cc-vm-agent --tsc-khz`, run on the host (never in the guest): the host's TSC rate, which a
+ * guest under TCG reads as its own TSC. The guest cannot measure it (under TCG its PIT
+ * calibration fails and it has no HPET), so the server passes it on the kernel command line. */
+static int print_tsc_khz(void) {
+    struct timespec a, b, pause = {0, 200 * 1000 * 1000};
+    clock_gettime(CLOCK_MONOTONIC_RAW, &a);
+    uint64_t t0 = __builtin_ia32_rdtsc();
+    nanosleep(&pause, NULL);
+    clock_gettime(CLOCK_MONOTONIC_RAW, &b);
+    uint64_t t1 = __builtin_ia32_rdtsc();
+    double ns = (double)(b.tv_sec - a.tv_sec) * 1e9 + (double)(b.tv_nsec - a.tv_nsec);
+    if (ns <= 0) return 1;
+    printf("%.0f\n", (double)(t1 - t0) * 1e6 / ns);
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
+#if defined(__x86_64__)
+    if (argc > 1 && strcmp(argv[1], "--tsc-khz") == 0) return print_tsc_khz();
+#endif
     const char *port = argc > 1 ? argv[1] : "/dev/hvc0";
     for (int tries = 0; port_fd < 0; tries++) {
         port_fd = open(port, O_RDWR | O_CLOEXEC | O_NOCTTY);
@@ -606,6 +725,8 @@ int main(int argc, char **argv) {
     sigdelset(&mask, SIGPIPE);
     int sfd = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     setup_cgroup();
+    caps_error = drop_caps() == 0 ? 0 : errno;
+    if (caps_error) logmsg("cannot drop the commands' capabilities: %s", strerror(caps_error));
     listen_http = listen_on(HTTP_PROXY_PORT);
     listen_socks = listen_on(SOCKS_PROXY_PORT);
 
