@@ -102,8 +102,12 @@ class VmPool:
         self.cache_dir = cache_dir
         self._lock = asyncio.Lock()
         self._template: Template | None = None
-        key = f"{image.directory.name.removeprefix('image-')}-{config.accel}"
-        self.template_dir = cache_dir / f"template-{TEMPLATE_FORMAT}-{key}-{config.memory_mib}m"
+        self._family = f"{image.directory.name.removeprefix('image-')}-{config.accel}"
+        # The snapshot's guest kernel was booted with the TSC rate: another rate, another one.
+        clock = f"-tsc{config.tsc_khz}" if config.tsc_khz else ""
+        self.template_dir = cache_dir / (
+            f"template-{TEMPLATE_FORMAT}-{self._family}{clock}-{config.memory_mib}m"
+        )
         self.empty_dir = cache_dir / "empty"
 
     def _argv(
@@ -199,10 +203,11 @@ class VmPool:
             return self._template
 
     def _prune_older_formats(self) -> None:
-        """Remove this image's snapshots of another machine format (same accelerator) that
-        nobody used for PRUNE_AFTER_S (another checkout sharing the cache may use one now)."""
-        suffix = self.template_dir.name.split("-", 2)[2]
-        for entry in self.cache_dir.glob(f"template-*-{suffix}"):
+        """Remove this image's snapshots of another machine format or TSC rate (same
+        accelerator) that nobody used for PRUNE_AFTER_S (another checkout sharing the cache may
+        use one now)."""
+        pattern = f"template-*-{self._family}*-{self.config.memory_mib}m"
+        for entry in self.cache_dir.glob(pattern):
             with contextlib.suppress(OSError):
                 stale = time.time() - entry.stat().st_mtime >= PRUNE_AFTER_S
                 if entry != self.template_dir and entry.is_dir() and stale:

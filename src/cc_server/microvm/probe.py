@@ -23,6 +23,7 @@ from cc_server.backends.identity import SANDBOX_GID, SANDBOX_UID, IdentityCheck,
 from cc_server.backends.microvm_verdict import microvm_unavailable
 from cc_server.backends.plan import SandboxIdentity
 from cc_server.errors import BackendUnavailable, CcServerError
+from cc_server.microvm.clock import host_tsc_khz
 from cc_server.microvm.image import (
     GuestImage,
     Progress,
@@ -189,10 +190,13 @@ async def probe_microvm(params: ProbeParams) -> tuple[MicroVMProbe, VmPool | Non
     prune_cache(params.cache_dir, image)
     outcomes: dict[str, BootOutcome] = {}
     pools: dict[str, VmPool] = {}
+    tcg = "tcg" in params.accels
+    tsc_khz = await asyncio.to_thread(host_tsc_khz, params.cache_dir) if tcg else None
     for accel in params.accels:
         if accel == "kvm" and not kvm_usable:
             continue
-        pool = VmPool(qemu=qemu, image=image, config=MachineConfig(accel=accel),
+        config = MachineConfig(accel=accel, tsc_khz=tsc_khz if accel == "tcg" else None)
+        pool = VmPool(qemu=qemu, image=image, config=config,
                       cache_dir=params.cache_dir, bwrap=bwrap, run_base=params.run_base,
                       identity=identity)
         outcomes[accel] = await _boot_test(pool, params.cache_dir, image)

@@ -48,9 +48,12 @@ __all__ = [
 MOUNT_SLOTS: Final = 6
 GUEST_RAM_MIB: Final = 256
 KERNEL_CMDLINE: Final = (
-    "console=ttyS0 rdinit=/init panic=-1 reboot=t quiet loglevel=1 tsc_early_khz=2000000"
-    " init_on_free=1"
+    "console=ttyS0 rdinit=/init panic=-1 reboot=t quiet loglevel=1 init_on_free=1"
 )
+# The TSC rate a guest is told when the host's is not known. Under TCG the guest cannot calibrate
+# its TSC (its PIT timing fails, it has no HPET), so with a wrong rate its clock watchdog drops
+# the TSC and it counts jiffies: a 4 ms clock, and a timer tick every 4 ms even when idle.
+NOMINAL_TSC_KHZ: Final = 2_000_000
 QMP_CONNECT_TIMEOUT_S: Final = 10.0  # QEMU creates its QMP socket within ~50 ms normally
 QMP_COMMAND_TIMEOUT_S: Final = 30.0
 QMP_LINE_LIMIT: Final = 1 << 20  # one QMP reply line
@@ -71,6 +74,17 @@ class MachineConfig:
     accel: str  # "kvm" or "tcg"
     memory_mib: int = GUEST_RAM_MIB
     cpus: int = 1
+    # Under TCG the guest's TSC is the host's: its rate (probe.host_tsc_khz), or None if unknown.
+    tsc_khz: int | None = None
+
+    @property
+    def cmdline(self) -> str:
+        """The guest kernel's command line. With the host's TSC rate a TCG guest keeps the TSC
+        as its clock (`tsc=reliable`: its only other clock, jiffies, lags under a loaded host
+        and would fail the TSC): a nanosecond clock, and no timer tick while idle."""
+        if self.accel == "tcg" and self.tsc_khz:
+            return f"{KERNEL_CMDLINE} tsc_early_khz={self.tsc_khz} tsc=reliable"
+        return f"{KERNEL_CMDLINE} tsc_early_khz={NOMINAL_TSC_KHZ}"
 
     @property
     def cpu(self) -> str:
@@ -131,7 +145,7 @@ def qemu_argv(
         else f"memory-backend-ram,id=mem0,size={mem}M",
         "-kernel", str(image.kernel),
         "-initrd", str(image.initrd),
-        "-append", KERNEL_CMDLINE,
+        "-append", config.cmdline,
         "-serial", f"file:{run_dir / 'console.log'}",
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={_opt(str(run_dir / 'agent.sock'))},server=on,wait=off",
