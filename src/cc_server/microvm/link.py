@@ -212,6 +212,9 @@ class AgentLink:
         finally:
             for key in keys:
                 self._replies.pop(key, None)
+            for future in futures:  # the answers after a failed one: seen, not left to warn
+                if future.done() and not future.cancelled():
+                    future.exception()
 
     async def hello(self) -> None:
         """Give the guest the host's clock and fresh entropy (see `hello_request`)."""
@@ -236,9 +239,29 @@ class AgentLink:
             while chunk := await reader.read(MAX_PAYLOAD + 64):
                 for frame in self._decoder.feed(chunk):
                     await self._dispatch(frame)
-        except (ProtocolError, ConnectionError) as exc:
+        except ProtocolError as exc:
+            # The guest broke the framing: nothing it sends can be read any more. What it
+            # completed before counts; then every waiter fails now (not at its timeout), every
+            # command ends, and nothing more is sent.
+            log.warning("microvm agent broke the protocol: %s", exc)
+            for frame in exc.frames:
+                await self._dispatch(frame)
+            self._broken(AgentGone(f"the VM's agent broke the protocol: {exc}",
+                                   fix="destroy the sandbox; see the VM's console log"))
+        except ConnectionError as exc:
             log.warning("microvm agent connection broke: %s", exc)
         # EOF: QEMU closed the socket (it quit or is being replaced); the owner decides.
+
+    def _broken(self, reason: AgentGone) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        for channel in list(self._conns):
+            self._close_conn(channel)
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(reason)
+        self.close_all(reason)
 
     async def _dispatch(self, frame: Frame) -> None:
         waiting = self._replies.get((frame.channel, frame.type))

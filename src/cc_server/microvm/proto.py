@@ -68,7 +68,12 @@ class MountOp(enum.IntEnum):
 
 
 class ProtocolError(Exception):
-    """The peer broke the framing; the connection is unusable."""
+    """The peer broke the framing; the connection is unusable. `frames`: those it completed
+    before the broken one, in order."""
+
+    def __init__(self, message: str, frames: list[Frame] | None = None) -> None:
+        super().__init__(message)
+        self.frames = frames or []
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,25 +95,31 @@ class FrameDecoder:
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._error: str | None = None
 
     def feed(self, data: bytes) -> list[Frame]:
         """Frames completed by `data`.
 
         Raises:
-            ProtocolError: an oversized frame or an unknown type.
+            ProtocolError: an oversized frame or an unknown type (carrying the frames completed
+                before it); every later call raises it again.
         """
+        if self._error is not None:
+            raise ProtocolError(self._error)
         self._buf += data
         frames: list[Frame] = []
         while len(self._buf) >= HEADER.size:
             size, channel, kind = HEADER.unpack_from(self._buf)
             if size > MAX_PAYLOAD:
-                raise ProtocolError(f"frame of {size} bytes from the agent")
+                self._error = f"frame of {size} bytes from the agent"
+                raise ProtocolError(self._error, frames)
             if len(self._buf) < HEADER.size + size:
                 break
             try:
                 frame_type = FrameType(kind)
             except ValueError as exc:
-                raise ProtocolError(f"unknown frame type {kind} from the agent") from exc
+                self._error = f"unknown frame type {kind} from the agent"
+                raise ProtocolError(self._error, frames) from exc
             payload = bytes(self._buf[HEADER.size : HEADER.size + size])
             del self._buf[: HEADER.size + size]
             frames.append(Frame(channel, frame_type, payload))
