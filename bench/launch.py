@@ -97,7 +97,7 @@ def main() -> int:
         bare_policy = compile_policy(
             parse_spec({"sessionId": "plain", "workspaceId": "bench",
                         "bindMounts": [{"hostPath": work}]}), HostFacts.current())
-        plain = handle.planner(bare_policy, Command(argv=("/bin/true",)))
+        plain = handle.planner.plan(bare_policy, Command(argv=("/bin/true",)))
         cli_bin = os.path.join(os.path.dirname(sys.executable), "cc-server")
         try:
             medians = _time_interleaved(

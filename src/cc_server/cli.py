@@ -8,12 +8,11 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from functools import partial
 from typing import TYPE_CHECKING, Any, TextIO
 
 from cc_server.backends.egress_bridge import HTTP_PROXY_PORT, SOCKS_PROXY_PORT
 from cc_server.backends.plan import Command, EgressBridge, LaunchPlan
-from cc_server.backends.probe import SANDBOX_EXEC_PATH, ProbeResult, probe
+from cc_server.backends.probe import SANDBOX_EXEC_PATH, Mechanism, ProbeResult, probe
 from cc_server.backends.runner import run_attached
 from cc_server.backends.seatbelt import render_seatbelt_plan
 from cc_server.cli_spec import (
@@ -33,7 +32,13 @@ from cc_server.policy import (
     compile_policy,
 )
 from cc_server.policy.paths import is_within
-from cc_server.runtime.select import choose_backend, planner_for, protected_patterns_for
+from cc_server.runtime.select import (
+    EgressRoute,
+    choose_backend,
+    egress_route,
+    planner_for,
+    protected_patterns_for,
+)
 
 if TYPE_CHECKING:
     from cc_server.microvm.runtime import MicroVMRuntime
@@ -231,21 +236,18 @@ def _plan(
         if backend is SandboxBackend.NATIVE else (),
     )  # fmt: skip
     bridge = None
-    if backend is SandboxBackend.NATIVE and result.mechanism in ("bubblewrap", "seatbelt"):
+    route = egress_route(backend, result)
+    if route is not None:
         from cc_server.egress.resolver import allowlist_for  # lazy import: name tables
 
         allowlist_for(spec)  # a malformed allowlist entry fails here, as it would in `run`
         bridge = EgressBridge(socket_dir=PLAN_SOCKET_DIR)
-        if result.mechanism == "seatbelt":  # a Mac's sandbox reaches the proxies on loopback
+        if route is EgressRoute.LOOPBACK:  # a Mac's sandbox reaches the proxies on loopback
             bridge = EgressBridge(socket_dir=PLAN_SOCKET_DIR, http_port=HTTP_PROXY_PORT,
                                   socks_port=SOCKS_PROXY_PORT)
     command = Command(argv=tuple(command_argv(args)), env=tuple(sorted(command_env(args).items())),
                       egress=bridge)
-    planner = planner_for(backend, result, host)
-    if temp_dir is not None and isinstance(planner, partial):  # the stand-in temp dir
-        planner = partial(planner.func, *planner.args, **{**planner.keywords,
-                                                          "temp_dir": temp_dir})
-    return planner(policy, command)
+    return planner_for(backend, result, host, temp_dir=temp_dir).plan(policy, command)
 
 
 def _macos_realpath(path: str) -> str:
@@ -264,7 +266,7 @@ def _as_platform(platform: str) -> tuple[ProbeResult, HostFacts | None, str | No
     if platform == "macos":
         if real.platform is Platform.MACOS:
             return real, None, None
-        fake = ProbeResult(platform=Platform.MACOS, available=True, mechanism="seatbelt",
+        fake = ProbeResult(platform=Platform.MACOS, available=True, mechanism=Mechanism.SEATBELT,
                            tools={"sandbox-exec": SANDBOX_EXEC_PATH})
         current = HostFacts.current(Platform.MACOS)
         host = HostFacts(platform=Platform.MACOS, home=current.home, realpath=_macos_realpath,
@@ -272,7 +274,7 @@ def _as_platform(platform: str) -> tuple[ProbeResult, HostFacts | None, str | No
         return fake, host, PLAN_MACOS_TEMP_DIR
     if real.platform in (Platform.LINUX, Platform.WSL2):
         return real, None, None
-    fake = ProbeResult(platform=Platform.LINUX, available=True, mechanism="bubblewrap",
+    fake = ProbeResult(platform=Platform.LINUX, available=True, mechanism=Mechanism.BUBBLEWRAP,
                        tools={"bwrap": "/usr/bin/bwrap", "socat": "/usr/bin/socat"})
     return fake, HostFacts.current(Platform.LINUX), None
 

@@ -22,6 +22,7 @@ from cc_server.backends.plan import (
     SandboxIdentity,
     SessionCommand,
 )
+from cc_server.backends.probe import BubblewrapTools, CreateRuleTools
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.backends.supervisor import GUEST_LAUNCHER, notify_filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
@@ -29,17 +30,13 @@ from cc_server.policy import CompiledPolicy, HostFacts, Mount, MountKind, Sandbo
 from cc_server.policy.compiler import innermost_mount
 from cc_server.policy.paths import is_within
 
-__all__ = ["SANDBOX_HOSTNAME", "SYSTEM_RO_PATHS", "CreateRuleTools", "plan_bubblewrap"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CreateRuleTools:
-    """The create-rule supervisor's two pieces, as the probe resolved them (absolute paths)."""
-
-    launcher: str
-    """Runs inside the sandbox before the command: installs the filter, hands over its listener."""
-    library: str
-    """The supervisor the server loads to answer the listener (see backends/supervisor.py)."""
+__all__ = [
+    "SANDBOX_HOSTNAME",
+    "SYSTEM_RO_PATHS",
+    "BubblewrapPlanner",
+    "CreateRuleTools",
+    "plan_bubblewrap",
+]
 
 
 SANDBOX_HOSTNAME = "cc-sandbox"
@@ -399,6 +396,26 @@ def _step_identity(
     if not posixpath.isabs(identity.helper):
         raise EnforcementFailed(f"{identity.helper!r} is not absolute; it must come from the probe")
     return identity_argv(argv, identity, roots, realpath)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BubblewrapPlanner:
+    """The `native` backend's Planner on Linux and WSL2: `plan_bubblewrap` with this host's
+    facts and the tools the probe resolved (`new_session` and `share_net` as there)."""
+
+    host: HostFacts
+    tools: BubblewrapTools
+    identity: SandboxIdentity | None = None  # a root server's sandbox identity
+    new_session: bool = True
+    share_net: bool = False
+
+    def plan(self, policy: CompiledPolicy, command: Command) -> LaunchPlan:
+        """See plan_bubblewrap."""
+        return plan_bubblewrap(
+            policy, command, host=self.host, bwrap=self.tools.bwrap, socat=self.tools.socat,
+            new_session=self.new_session, share_net=self.share_net,
+            create_rules=self.tools.create_rules, identity=self.identity,
+        )
 
 
 def plan_bubblewrap(

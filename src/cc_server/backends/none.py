@@ -4,11 +4,22 @@ because the spec's two dispatch paths differ (ACP and harness bash sanitise; Cla
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from cc_server.backends.plan import Command, LaunchPlan
 from cc_server.errors import BadSpec
 from cc_server.policy import CompiledPolicy, SandboxBackend
 
-__all__ = ["plan_none"]
+__all__ = ["NonePlanner", "plan_none"]
+
+
+@dataclass(frozen=True, slots=True)
+class NonePlanner:
+    """The `none` backend's Planner: `plan_none`, which needs no host fact and no tool."""
+
+    def plan(self, policy: CompiledPolicy, command: Command) -> LaunchPlan:
+        """See plan_none."""
+        return plan_none(policy, command)
 
 
 def plan_none(policy: CompiledPolicy, command: Command) -> LaunchPlan:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from cc_server.policy import CompiledPolicy, SandboxBackend
 
@@ -193,5 +193,15 @@ class LaunchPlan:
         return out
 
 
-Planner = Callable[[CompiledPolicy, Command], "LaunchPlan"]
-"""A backend's pure planning function with its host facts and tool paths bound."""
+class Planner(Protocol):
+    """A backend's pure planning step with its host facts and tool paths bound: a small frozen
+    object per backend (`NonePlanner`, `BubblewrapPlanner`, `SeatbeltPlanner`), built by
+    `runtime.select.planner_for`."""
+
+    def plan(self, policy: CompiledPolicy, command: Command) -> LaunchPlan:
+        """What to run for `command` under `policy`; runs nothing.
+
+        Raises:
+            CcServerError: the backend refuses the command (see the backend's plan function).
+        """
+        ...

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
@@ -30,8 +31,12 @@ __all__ = [
     "SANDBOX_EXEC_PATH",
     "SEATBELT_NOTE",
     "SELFTEST_TIMEOUT_S",
+    "BubblewrapTools",
+    "CreateRuleTools",
+    "Mechanism",
     "ProbeFacts",
     "ProbeResult",
+    "SeatbeltTools",
     "SelftestResult",
     "boot_probe",
     "probe",
@@ -62,6 +67,40 @@ _SYSCTLS = (
     "user.max_user_namespaces",
 )
 _EVIDENCE_MARK = "[host: "
+
+
+class Mechanism(StrEnum):
+    """The OS-native sandbox a host offers (the `native` backend's two kinds)."""
+
+    BUBBLEWRAP = "bubblewrap"  # Linux and WSL2: namespaces (backends/bubblewrap.py)
+    SEATBELT = "seatbelt"  # macOS: a sandbox-exec profile (backends/seatbelt.py)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreateRuleTools:
+    """The create-rule supervisor's two pieces, as the probe resolved them (absolute paths)."""
+
+    launcher: str
+    """Runs inside the sandbox before the command: installs the filter, hands over its listener."""
+    library: str
+    """The supervisor the server loads to answer the listener (see backends/supervisor.py)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BubblewrapTools:
+    """What a bubblewrap launch runs, as the probe resolved it (absolute paths)."""
+
+    bwrap: str
+    socat: str | None = None  # bridges the session's proxies into the sandbox's network
+    create_rules: CreateRuleTools | None = None  # when this kernel runs the supervisor
+    identity: str | None = None  # cc-identity, when the server runs as root
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SeatbeltTools:
+    """What a Seatbelt launch runs, as the probe checked it (an absolute path)."""
+
+    sandbox_exec: str
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,8 +153,8 @@ class ProbeResult:
 
     platform: Platform
     available: bool
-    mechanism: str | None = None
-    """Either "bubblewrap" or "seatbelt"; None when not available."""
+    mechanism: Mechanism | None = None
+    """Set when available (a string naming one is taken as that Mechanism)."""
     note: str | None = None
     """Set when available: what the mechanism does and does not isolate."""
     hint: str | None = None
@@ -135,13 +174,39 @@ class ProbeResult:
     def __post_init__(self) -> None:
         # A read-only copy, so a caller's dict cannot change a frozen result afterwards.
         object.__setattr__(self, "tools", MappingProxyType(dict(self.tools)))
+        if self.mechanism is not None:  # an unknown name fails here, not at the first launch
+            object.__setattr__(self, "mechanism", Mechanism(self.mechanism))
+
+    @property
+    def bubblewrap(self) -> BubblewrapTools | None:
+        """The tools of a bubblewrap launch when that is the mechanism, else None. The
+        create-rule supervisor is in only when the probe found it runs on this kernel."""
+        if self.mechanism is not Mechanism.BUBBLEWRAP:
+            return None
+        launcher = self.tools.get(CREATE_LAUNCHER_TOOL)
+        library = self.tools.get(CREATE_SUPERVISOR_TOOL)
+        return BubblewrapTools(
+            bwrap=self.tools["bwrap"],
+            socat=self.tools.get("socat"),
+            create_rules=CreateRuleTools(launcher=launcher, library=library)
+            if self.create_rules and launcher is not None and library is not None
+            else None,
+            identity=self.tools.get(IDENTITY_TOOL),
+        )
+
+    @property
+    def seatbelt(self) -> SeatbeltTools | None:
+        """The tools of a Seatbelt launch when that is the mechanism, else None."""
+        if self.mechanism is not Mechanism.SEATBELT:
+            return None
+        return SeatbeltTools(sandbox_exec=self.tools["sandbox-exec"])
 
     def to_json(self) -> dict[str, object]:
         """JSON-ready form with camelCase keys. Raises nothing."""
         return {
             "platform": str(self.platform),
             "available": self.available,
-            "mechanism": self.mechanism,
+            "mechanism": None if self.mechanism is None else str(self.mechanism),
             "note": self.note,
             "hint": self.hint,
             "requiresInstall": self.requires_install,
@@ -278,7 +343,7 @@ def _probe_macos(facts: ProbeFacts) -> ProbeResult:
         return ProbeResult(
             platform=facts.platform,
             available=True,
-            mechanism="seatbelt",
+            mechanism=Mechanism.SEATBELT,
             note=SEATBELT_NOTE,
             tools={"sandbox-exec": SANDBOX_EXEC_PATH},
         )
@@ -338,7 +403,7 @@ def _probe_linux(facts: ProbeFacts) -> ProbeResult:
         return ProbeResult(
             platform=facts.platform,
             available=True,
-            mechanism="bubblewrap",
+            mechanism=Mechanism.BUBBLEWRAP,
             note=BUBBLEWRAP_NOTE,
             tools=found,
             create_rules=rules.available,

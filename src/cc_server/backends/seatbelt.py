@@ -50,6 +50,7 @@ __all__ = [
     "DNS_SOCKET",
     "GENERATED_MARKER",
     "TAG_TOKEN",
+    "SeatbeltPlanner",
     "SeatbeltProfile",
     "build_profile",
     "darwin_user_temp_dir",
@@ -431,6 +432,24 @@ def _check_policy(policy: CompiledPolicy) -> None:
                 "the native sandbox maps host paths 1:1",
                 fix="set guestPath equal to hostPath (or omit it)",
             )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SeatbeltPlanner:
+    """The `native` backend's Planner on macOS: `plan_seatbelt` with this host's facts, the
+    sandbox-exec the probe checked and the user's temp dir (`share_net` as there)."""
+
+    host: HostFacts
+    sandbox_exec: str
+    temp_dir: str | None = None
+    share_net: bool = False
+
+    def plan(self, policy: CompiledPolicy, command: Command) -> LaunchPlan:
+        """See plan_seatbelt."""
+        return plan_seatbelt(
+            policy, command, host=self.host, sandbox_exec=self.sandbox_exec,
+            temp_dir=self.temp_dir, share_net=self.share_net,
+        )
 
 
 def plan_seatbelt(

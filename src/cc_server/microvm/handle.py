@@ -80,11 +80,16 @@ def _check_result(reply: Frame, what: str, *, fix: str) -> None:
         raise EnforcementFailed(f"the guest could not {what}: {os.strerror(code)}", fix=fix)
 
 
-def _no_host_plan(policy: CompiledPolicy, command: Command) -> LaunchPlan:
-    raise BackendUnavailable(
-        "a microVM runs its commands in the guest; there is no host launch plan",
-        fix="use handle.exec",
-    )
+@dataclass(frozen=True, slots=True)
+class NoHostPlanner:
+    """A microVM handle's Planner: its commands run in the guest, with no host launch plan."""
+
+    def plan(self, policy: CompiledPolicy, command: Command) -> LaunchPlan:
+        """Raises BackendUnavailable, always."""
+        raise BackendUnavailable(
+            "a microVM runs its commands in the guest; there is no host launch plan",
+            fix="use handle.open_exec",
+        )
 
 
 @dataclass(eq=False)

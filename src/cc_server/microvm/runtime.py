@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cc_server.egress.driver import Resolver
 from cc_server.egress.patterns import Allowlist
-from cc_server.microvm.handle import MicroVMHandle, _no_host_plan
+from cc_server.microvm.handle import MicroVMHandle, NoHostPlanner
 from cc_server.microvm.image import Progress, default_cache_dir, stderr_progress
 from cc_server.microvm.link import VM_DIR_PREFIX
 from cc_server.microvm.mounts import plan_mounts
@@ -61,7 +61,7 @@ class MicroVMRuntime:
             session_id=policy.session_id,
             backend=SandboxBackend.MICROVM,
             policy=policy,
-            planner=_no_host_plan,
+            planner=NoHostPlanner(),
             pool=self.pool,
             mount_plan=plan,
             run_base=self.run_base,

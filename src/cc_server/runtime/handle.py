@@ -99,7 +99,7 @@ class SandboxHandle:
         Raises:
             CcServerError: the backend refuses the command (see the backend's planner).
         """
-        return self.planner(self.policy, command)
+        return self.planner.plan(self.policy, command)
 
     @contextlib.asynccontextmanager
     async def open_exec(

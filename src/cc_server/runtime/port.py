@@ -6,16 +6,12 @@ and owns every live handle.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING, Protocol
 
-from cc_server.backends.bubblewrap import plan_bubblewrap
 from cc_server.backends.plan import Command, Planner
 from cc_server.backends.probe import ProbeResult
-from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
 from cc_server.egress.driver import Resolver
 from cc_server.egress.operator import OperatorEgress
 from cc_server.egress.resolver import allowlist_for, suggested_capability
@@ -33,11 +29,12 @@ from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import SandboxHandle
 from cc_server.runtime.seatbelt_monitor import SeatbeltMonitor
 from cc_server.runtime.select import (
+    EgressRoute,
     choose_backend,
+    egress_route,
     microvm_unavailable,
     planner_for,
     protected_patterns_for,
-    sandbox_identity,
 )
 
 if TYPE_CHECKING:
@@ -85,7 +82,7 @@ def _launch(
     deny_create_globs: Iterable[str],
     egress_base: str | None = None,
     egress_resolver: Resolver | None = None,
-    mechanism: str | None = None,
+    route: EgressRoute | None = None,
     operator_egress: OperatorEgress | None = None,
     protected_patterns: tuple[str, ...] = (),
 ) -> SandboxHandle:
@@ -102,7 +99,7 @@ def _launch(
         def suggest(host_name: str) -> str | None:
             return suggested_capability(host_name, spec)
 
-        seatbelt = mechanism == "seatbelt"  # shares the host loopback; denials in the unified log
+        seatbelt = route is EgressRoute.LOOPBACK  # Seatbelt: denials in the unified log
         handle.egress = SessionEgress(
             session_id=spec.session_id,
             allowlist=allowlist,
@@ -207,8 +204,8 @@ class NativeSandboxAdapter:
                 directory is not private.
         """
         planner = planner_for(self.backend, self.probe_result, self.host)
-        mechanism = self.probe_result.mechanism
-        base = self.egress_base() if mechanism in ("bubblewrap", "seatbelt") else None
+        route = egress_route(self.backend, self.probe_result)
+        base = self.egress_base() if route is not None else None
         return _launch(
             spec,
             self.host,
@@ -217,7 +214,7 @@ class NativeSandboxAdapter:
             deny_create_globs,
             base,
             self.egress_resolver,
-            mechanism,
+            route,
             operator_egress,
             protected_patterns_for(self.probe_result),
         )
@@ -419,35 +416,8 @@ class SandboxManager:
             # The shell runs in the guest, on the guest's PTY; the profile's binds are 9p slots
             # and its network is the session's proxies (the VM has no other way out).
             return self.vm.launch_policy(policy, allowlist_spec=None)
-        planner: Planner
-        if chosen is SandboxBackend.NONE:
-            planner = planner_for(chosen, _NO_PROBE, self.host)
-        elif self.probe_result.mechanism == "bubblewrap" and self.host.platform in (
-            Platform.LINUX,
-            Platform.WSL2,
-        ):
-            planner = partial(
-                plan_bubblewrap,
-                host=self.host,
-                bwrap=self.probe_result.tools["bwrap"],
-                new_session=False,
-                share_net=True,
-                identity=sandbox_identity(self.probe_result),
-            )
-        elif self.probe_result.mechanism == "seatbelt" and self.host.platform is Platform.MACOS:
-            # The same profile under Seatbelt: its network is open, so no proxies either.
-            planner = partial(
-                plan_seatbelt,
-                host=self.host,
-                sandbox_exec=self.probe_result.tools["sandbox-exec"],
-                temp_dir=darwin_user_temp_dir(os.environ),
-                share_net=True,
-            )
-        else:
-            raise BackendUnavailable(
-                f"the native terminal profile is not built for {self.probe_result.mechanism}",
-                fix="ask for backend 'none', or use macOS or a Linux host with bubblewrap",
-            )
+        probe_result = _NO_PROBE if chosen is SandboxBackend.NONE else self.probe_result
+        planner = planner_for(chosen, probe_result, self.host, terminal=True)
         return _warm_up(
             SandboxHandle(
                 session_id=policy.session_id, backend=chosen, policy=policy, planner=planner

@@ -18,23 +18,25 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from functools import partial
+from enum import StrEnum
 from typing import Final
 
-from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
+from cc_server.backends.bubblewrap import BubblewrapPlanner
 from cc_server.backends.identity import IDENTITY_TOOL, SANDBOX_GID, SANDBOX_UID
 from cc_server.backends.microvm_verdict import MicroVMVerdict, microvm_unavailable
-from cc_server.backends.none import plan_none
+from cc_server.backends.none import NonePlanner
 from cc_server.backends.plan import Planner, SandboxIdentity
-from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
-from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
+from cc_server.backends.probe import BubblewrapTools, Mechanism, ProbeResult
+from cc_server.backends.seatbelt import SeatbeltPlanner, darwin_user_temp_dir
 from cc_server.errors import BackendUnavailable, ConfigError
 from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, SandboxBackend
 
 __all__ = [
     "WRITE_PROTECTION_ENV",
+    "EgressRoute",
     "MicroVMVerdict",  # backends.microvm_verdict, handed on
     "choose_backend",
+    "egress_route",
     "microvm_unavailable",
     "planner_for",
     "protected_patterns_for",
@@ -85,15 +87,6 @@ def choose_backend(
     return requested
 
 
-def _create_rule_tools(probe_result: ProbeResult) -> CreateRuleTools | None:
-    """The probe's create-rule supervisor, when it found one that this kernel runs."""
-    launcher = probe_result.tools.get(CREATE_LAUNCHER_TOOL)
-    library = probe_result.tools.get(CREATE_SUPERVISOR_TOOL)
-    if not probe_result.create_rules or launcher is None or library is None:
-        return None
-    return CreateRuleTools(launcher=launcher, library=library)
-
-
 WRITE_PROTECTION_ENV: Final = "CC_SERVER_WRITE_PROTECTION"
 LAUNCH_TIME_ONLY: Final = "launch-time"
 
@@ -114,7 +107,7 @@ def protected_patterns_for(
         ConfigError: `CC_SERVER_WRITE_PROTECTION` holds something else.
     """
     env = os.environ if env is None else env
-    if probe_result.mechanism != "bubblewrap":
+    if probe_result.mechanism is not Mechanism.BUBBLEWRAP:
         return ()
     choice = env.get(WRITE_PROTECTION_ENV, "")
     if choice == LAUNCH_TIME_ONLY:
@@ -135,34 +128,64 @@ def sandbox_identity(probe_result: ProbeResult) -> SandboxIdentity | None:
     return SandboxIdentity(helper=helper, uid=SANDBOX_UID, gid=SANDBOX_GID)
 
 
-def planner_for(backend: SandboxBackend, probe_result: ProbeResult, host: HostFacts) -> Planner:
-    """The planning function for `backend` on this host, with tool paths from the probe.
+class EgressRoute(StrEnum):
+    """How a native sandbox reaches its session's egress proxies."""
+
+    SOCKETS = "sockets"  # bubblewrap: the proxies' Unix sockets, handed into its own network
+    LOOPBACK = "loopback"  # Seatbelt: the host's loopback, shared; the proxies listen on TCP too
+
+
+def egress_route(backend: SandboxBackend, probe_result: ProbeResult) -> EgressRoute | None:
+    """The way a sandbox of `backend` reaches the session's proxies, or None when it gets none
+    from the host (`none` keeps the host's network; a microVM has its own link)."""
+    if backend is not SandboxBackend.NATIVE:
+        return None
+    if probe_result.mechanism is Mechanism.BUBBLEWRAP:
+        return EgressRoute.SOCKETS
+    if probe_result.mechanism is Mechanism.SEATBELT:
+        return EgressRoute.LOOPBACK
+    return None
+
+
+def planner_for(
+    backend: SandboxBackend,
+    probe_result: ProbeResult,
+    host: HostFacts,
+    *,
+    terminal: bool = False,
+    temp_dir: str | None = None,
+) -> Planner:
+    """The planner for `backend` on this host, with tool paths from the probe.
+
+    `terminal` plans the server-hosted terminal's fixed profile (the host network, no new
+    session, no egress bridge and no create-time rules: terminal.profile); `temp_dir` stands in
+    for the user's temp dir on macOS (`cc-server plan --platform macos` elsewhere).
 
     Raises:
         BackendUnavailable: the backend cannot plan on this host (no probe result for it, or
             its adapter is not built for this platform).
     """
     if backend is SandboxBackend.NONE:
-        return plan_none
+        return NonePlanner()
     if backend is SandboxBackend.NATIVE and probe_result.available:
-        if probe_result.mechanism == "bubblewrap" and host.platform in (
-            Platform.LINUX,
-            Platform.WSL2,
-        ):
-            return partial(
-                plan_bubblewrap,
-                host=host,
-                bwrap=probe_result.tools["bwrap"],
-                socat=probe_result.tools.get("socat"),
-                create_rules=_create_rule_tools(probe_result),
-                identity=sandbox_identity(probe_result),
+        bubblewrap, seatbelt = probe_result.bubblewrap, probe_result.seatbelt
+        if bubblewrap is not None and host.platform in (Platform.LINUX, Platform.WSL2):
+            if terminal:
+                bubblewrap = BubblewrapTools(bwrap=bubblewrap.bwrap)
+            return BubblewrapPlanner(
+                host=host, tools=bubblewrap, identity=sandbox_identity(probe_result),
+                new_session=not terminal, share_net=terminal,
             )
-        if probe_result.mechanism == "seatbelt" and host.platform is Platform.MACOS:
-            return partial(
-                plan_seatbelt,
-                host=host,
-                sandbox_exec=probe_result.tools["sandbox-exec"],
-                temp_dir=darwin_user_temp_dir(os.environ),
+        if seatbelt is not None and host.platform is Platform.MACOS:
+            return SeatbeltPlanner(
+                host=host, sandbox_exec=seatbelt.sandbox_exec,
+                temp_dir=darwin_user_temp_dir(os.environ) if temp_dir is None else temp_dir,
+                share_net=terminal,
+            )
+        if terminal:
+            raise BackendUnavailable(
+                f"the native terminal profile is not built for {probe_result.mechanism}",
+                fix="ask for backend 'none', or use macOS or a Linux host with bubblewrap",
             )
         raise BackendUnavailable(
             f"the {probe_result.mechanism} adapter is not available in this build",

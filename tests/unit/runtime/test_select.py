@@ -4,22 +4,36 @@ ProbeResults are built by hand."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import pytest
 
-from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
+from cc_server.backends.bubblewrap import BubblewrapPlanner, CreateRuleTools
 from cc_server.backends.identity import IDENTITY_TOOL, SANDBOX_GID, SANDBOX_UID
-from cc_server.backends.none import plan_none
-from cc_server.backends.plan import SandboxIdentity
-from cc_server.backends.probe import CREATE_LAUNCHER_TOOL, CREATE_SUPERVISOR_TOOL, ProbeResult
-from cc_server.backends.seatbelt import darwin_user_temp_dir, plan_seatbelt
+from cc_server.backends.none import NonePlanner, plan_none
+from cc_server.backends.plan import Command, SandboxIdentity
+from cc_server.backends.probe import (
+    CREATE_LAUNCHER_TOOL,
+    CREATE_SUPERVISOR_TOOL,
+    BubblewrapTools,
+    Mechanism,
+    ProbeResult,
+)
+from cc_server.backends.seatbelt import SeatbeltPlanner, darwin_user_temp_dir
 from cc_server.errors import BackendUnavailable, ConfigError
-from cc_server.policy import PROTECTED_PATTERN_NAMES, HostFacts, Platform, SandboxBackend
+from cc_server.policy import (
+    PROTECTED_PATTERN_NAMES,
+    HostFacts,
+    Platform,
+    SandboxBackend,
+    compile_policy,
+    parse_spec,
+)
 from cc_server.runtime.select import (
     WRITE_PROTECTION_ENV,
+    EgressRoute,
     choose_backend,
+    egress_route,
     planner_for,
     protected_patterns_for,
 )
@@ -54,6 +68,10 @@ def _host(platform: Platform) -> HostFacts:
     return HostFacts(
         platform=platform, home="/home/dev", realpath=realpath, exists=realpath, is_dir=realpath
     )
+
+
+def _real_host() -> HostFacts:
+    return HostFacts.current()
 
 
 # --- choose_backend ----------------------------------------------------------------------------
@@ -114,24 +132,56 @@ def test_explicit_none_is_none(probe: ProbeResult, sandbox_on: bool) -> None:
 
 @pytest.mark.parametrize("probe", ALL_PROBES)
 def test_planner_for_none_is_plan_none(probe: ProbeResult) -> None:
-    assert planner_for(SandboxBackend.NONE, probe, _host(probe.platform)) is plan_none
+    planner = planner_for(SandboxBackend.NONE, probe, _host(probe.platform))
+    assert planner == NonePlanner()
+    policy = compile_policy(parse_spec({"sessionId": "s", "workspaceId": "w"}), _real_host())
+    command = Command(argv=("/bin/true",), cwd="/tmp")
+    assert planner.plan(policy, command) == plan_none(policy, command)
 
 
 @pytest.mark.parametrize("probe", [LINUX_OK, WSL2_OK])
 def test_planner_for_native_bubblewrap_is_a_bound_plan_bubblewrap(probe: ProbeResult) -> None:
     host = _host(probe.platform)
     planner = planner_for(SandboxBackend.NATIVE, probe, host)
-    assert isinstance(planner, functools.partial)
-    assert planner.func is plan_bubblewrap
-    assert planner.args == ()
-    assert planner.keywords == {
-        "host": host,
-        "bwrap": BWRAP,
-        "socat": probe.tools.get("socat"),
-        "create_rules": None,  # the probe found no create-rule supervisor
-        "identity": None,  # nor a sandbox identity (only a root server needs one)
+    assert planner == BubblewrapPlanner(
+        host=host,
+        tools=BubblewrapTools(
+            bwrap=BWRAP,
+            socat=probe.tools.get("socat"),
+            create_rules=None,  # the probe found no create-rule supervisor
+        ),
+        identity=None,  # nor a sandbox identity (only a root server needs one)
+        new_session=True,
+        share_net=False,
+    )
+    assert isinstance(planner, BubblewrapPlanner) and planner.host is host
+
+
+def test_planner_for_the_terminal_profile_keeps_the_host_network_and_no_bridge_or_rules() -> None:
+    tools = {
+        **LINUX_OK.tools,
+        CREATE_LAUNCHER_TOOL: "/opt/cc/cc-create-launcher",
+        CREATE_SUPERVISOR_TOOL: "/opt/cc/libcc-create-supervisor.so",
+        IDENTITY_TOOL: "/opt/cc/cc-identity",
     }
-    assert planner.keywords["host"] is host
+    probe = dataclasses.replace(LINUX_OK, tools=tools, create_rules=True)
+    host = _host(probe.platform)
+    assert planner_for(SandboxBackend.NATIVE, probe, host, terminal=True) == BubblewrapPlanner(
+        host=host,
+        tools=BubblewrapTools(bwrap=BWRAP),
+        identity=SandboxIdentity(helper="/opt/cc/cc-identity", uid=SANDBOX_UID, gid=SANDBOX_GID),
+        new_session=False,
+        share_net=True,
+    )
+    mac = _host(Platform.MACOS)
+    assert planner_for(SandboxBackend.NATIVE, MACOS_OK, mac, terminal=True) == SeatbeltPlanner(
+        host=mac,
+        sandbox_exec="/usr/bin/sandbox-exec",
+        temp_dir=darwin_user_temp_dir(os.environ),
+        share_net=True,
+    )
+    with pytest.raises(BackendUnavailable, match="terminal profile is not built for bubblewrap"):
+        planner_for(SandboxBackend.NATIVE, probe, mac, terminal=True)
 
 
 def test_planner_for_native_bubblewrap_passes_the_sandbox_identity_the_probe_found() -> None:
@@ -139,8 +189,8 @@ def test_planner_for_native_bubblewrap_passes_the_sandbox_identity_the_probe_fou
         LINUX_OK, tools={**LINUX_OK.tools, IDENTITY_TOOL: "/opt/cc/cc-identity"}
     )
     planner = planner_for(SandboxBackend.NATIVE, probe, _host(probe.platform))
-    assert isinstance(planner, functools.partial)
-    assert planner.keywords["identity"] == SandboxIdentity(
+    assert isinstance(planner, BubblewrapPlanner)
+    assert planner.identity == SandboxIdentity(
         helper="/opt/cc/cc-identity", uid=SANDBOX_UID, gid=SANDBOX_GID
     )
 
@@ -153,28 +203,45 @@ def test_planner_for_native_bubblewrap_passes_the_create_rule_tools_the_probe_fo
     }
     probe = dataclasses.replace(LINUX_OK, tools=tools, create_rules=True)
     planner = planner_for(SandboxBackend.NATIVE, probe, _host(probe.platform))
-    assert isinstance(planner, functools.partial)
-    assert planner.keywords["create_rules"] == CreateRuleTools(
+    assert isinstance(planner, BubblewrapPlanner)
+    assert planner.tools.create_rules == CreateRuleTools(
         launcher="/opt/cc/cc-create-launcher", library="/opt/cc/libcc-create-supervisor.so"
     )
     # Tools without the probe's verdict (the kernel check failed) are not used.
     unchecked = dataclasses.replace(probe, create_rules=False)
     planner = planner_for(SandboxBackend.NATIVE, unchecked, _host(probe.platform))
-    assert isinstance(planner, functools.partial)
-    assert planner.keywords["create_rules"] is None
+    assert isinstance(planner, BubblewrapPlanner)
+    assert planner.tools.create_rules is None
 
 
 def test_planner_for_native_seatbelt_on_macos_is_a_bound_plan_seatbelt() -> None:
     host = _host(Platform.MACOS)
     planner = planner_for(SandboxBackend.NATIVE, MACOS_OK, host)
-    assert isinstance(planner, functools.partial)
-    assert planner.func is plan_seatbelt
-    assert planner.args == ()
-    assert planner.keywords == {
-        "host": host,
-        "sandbox_exec": "/usr/bin/sandbox-exec",
-        "temp_dir": darwin_user_temp_dir(os.environ),
-    }
+    assert planner == SeatbeltPlanner(
+        host=host,
+        sandbox_exec="/usr/bin/sandbox-exec",
+        temp_dir=darwin_user_temp_dir(os.environ),
+        share_net=False,
+    )
+    stand_in = planner_for(SandboxBackend.NATIVE, MACOS_OK, host, temp_dir="/private/var/t")
+    assert stand_in == dataclasses.replace(planner, temp_dir="/private/var/t")
+
+
+def test_a_mechanism_is_typed_and_an_unknown_one_is_refused() -> None:
+    assert LINUX_OK.mechanism is Mechanism.BUBBLEWRAP and MACOS_OK.mechanism is Mechanism.SEATBELT
+    assert LINUX_OK.to_json()["mechanism"] == "bubblewrap"
+    with pytest.raises(ValueError, match="firejail"):
+        ProbeResult(platform=Platform.LINUX, available=True, mechanism="firejail")  # type: ignore[arg-type]
+
+
+def test_egress_route_is_the_one_place_a_bridge_is_decided() -> None:
+    assert egress_route(SandboxBackend.NATIVE, LINUX_OK) is EgressRoute.SOCKETS
+    assert egress_route(SandboxBackend.NATIVE, WSL2_OK) is EgressRoute.SOCKETS
+    assert egress_route(SandboxBackend.NATIVE, MACOS_OK) is EgressRoute.LOOPBACK
+    for probe in ALL_PROBES:
+        assert egress_route(SandboxBackend.NONE, probe) is None
+        assert egress_route(SandboxBackend.MICROVM, probe) is None
+    assert egress_route(SandboxBackend.NATIVE, LINUX_MISSING) is None
 
 
 @pytest.mark.parametrize("platform", [Platform.LINUX, Platform.WSL2, Platform.WINDOWS])
