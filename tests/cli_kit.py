@@ -22,10 +22,11 @@ def daemon_pids(runtime: pathlib.Path) -> list[int]:
         if b"cc_server.cli_daemon" in argv and any(str(runtime).encode() in a for a in argv):
             found.append(int(entry))
     # A daemon's child between fork and exec (a sandbox being started) has the daemon's argv.
-    return [pid for pid in found if _parent(pid) not in found]
+    return [pid for pid in found if parent_pid(pid) not in found]
 
 
-def _parent(pid: int) -> int | None:
+def parent_pid(pid: int) -> int | None:
+    """The parent of process `pid`; None once it is gone."""
     try:
         stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
     except OSError:

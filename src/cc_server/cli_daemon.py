@@ -224,11 +224,12 @@ class _Daemon:
             try:
                 if requested is SandboxBackend.MICROVM:
                     await self._probe_microvm(err)
-                handle = self.manager.launch(
-                    spec, backend=requested, deny_create_globs=args.deny_create
-                )
                 if order is not None:
-                    handle = await self._take_spare(order, handle)
+                    handle = await self._take_spare(order)
+                if handle is None:
+                    handle = self.manager.launch(
+                        spec, backend=requested, deny_create_globs=args.deny_create
+                    )
                 live = print_live(handle, err)  # each violation as it happens
                 relay = requested is SandboxBackend.MICROVM  # the guest's stdio: relayed
                 async with handle.open_exec(
@@ -255,28 +256,42 @@ class _Daemon:
                 if handle is not None:
                     await self.manager.destroy(handle.session_id)
 
-    async def _take_spare(self, order: _SpareOrder, fresh: SandboxHandle) -> SandboxHandle:
-        """The spare made for this request's spec, in place of `fresh` (launched for it just
-        now, nothing started yet), when the spare's policy is the one `fresh` compiled, session
-        aside: the host has not changed what the spec means since the spare was made. Else
-        `fresh`. Either way the other one is destroyed. The spare's sandbox is the one its first
-        command runs in only if the command's plan is still the sandbox's (every host fact and
-        mount the same; `SandboxHandle.session_sandbox`), as for any session's second command."""
+    async def _take_spare(self, order: _SpareOrder) -> SandboxHandle | None:
+        """The spare made for this request's spec, when the policy that spec compiles to now is
+        the spare's, session aside (the host has not changed what the spec means since the
+        spare was made); else None, and the spare is destroyed. The spare's sandbox is the one
+        its first command runs in only if the command's plan is still the sandbox's (every host
+        fact and mount the same; `SandboxHandle.session_sandbox`), as for any session's second
+        command.
+
+        Raises:
+            CcServerError: the spec does not compile now (what a launch would raise).
+        """
+        from cc_server.policy import SandboxBackend, compile_policy
+        from cc_server.runtime.select import protected_patterns_for
+
         spare, self.spare = self.spare, None
         if spare is None:
-            return fresh
+            return None
         if spare.order.key != order.key:
             self._spawn(self._destroy(spare))
-            return fresh
+            return None
         prepared = await spare.task
         if prepared is None:
-            return fresh
-        if prepared.backend is not fresh.backend or _sessionless(prepared) != _sessionless(
-            fresh
-        ):
+            return None
+        try:
+            # As the native adapter compiles it (a difference only means no spare).
+            policy = compile_policy(
+                order.spec, self.manager.host, deny_create_globs=order.deny_create,
+                protected_patterns=protected_patterns_for(self.manager.probe_result),
+            )  # fmt: skip
+        except BaseException:
             await self.manager.destroy(prepared.session_id)
-            return fresh
-        await self.manager.destroy(fresh.session_id)
+            raise
+        same = replace(policy, session_id=_ANY_SESSION) == _sessionless(prepared)
+        if prepared.backend is not SandboxBackend.NATIVE or not same:
+            await self.manager.destroy(prepared.session_id)
+            return None
         return prepared
 
     async def _replace_spare(self, order: _SpareOrder) -> None:

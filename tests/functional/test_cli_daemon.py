@@ -24,7 +24,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from cli_kit import daemon_pids
+from cli_kit import daemon_pids, parent_pid
 
 import cc_server
 from cc_server.cli_socket import receive_message, send_message
@@ -352,9 +352,10 @@ def test_the_next_run_takes_a_spare_sandbox_that_is_new(
     )  # fmt: skip
     assert first.returncode == 0 and first.stdout == "first\n", first.stderr
     # The first run's sandbox is gone before its client returns: what binds `work` now is the
-    # spare, made for the next run like it.
-    assert wait_for(lambda: len(_sandboxed_sleepers(work)) == 1)
-    [spare] = _sandboxed_sleepers(work)
+    # spare, made for the next run like it (bwrap, and the child it forks for the namespace).
+    assert wait_for(lambda: _sandboxed_sleepers(work))
+    found = _sandboxed_sleepers(work)
+    [spare] = [pid for pid in found if parent_pid(pid) not in found]
     second = subprocess.Popen(
         [*c_client, "run", "--bind", str(work), "--", "sh", "-c",
          f"cat /tmp/left 2>/dev/null || echo new-tmp; echo > {work}/started; exec sleep 1"],
