@@ -21,13 +21,13 @@ timeout, and an attempt cut short by the deadline is answered as unreachable); a
 byte either way for the idle timeout is closed; a session holds at most ``max_connections``
 client connections, and a client over the limit is closed at once.
 
-Concurrency: a session's listeners and client handlers are tasks in one `asyncio.TaskGroup`,
-and each tunnel's two directions are tasks in a TaskGroup of its own (in `relay`). The session's
-group lives in one named supervisor task that `SessionProxies` holds and `aclose()` cancels and
-awaits: `start_session_proxies` must return while the group keeps running, and a TaskGroup cannot
-be entered in one task and left in another. That task is the only one created outside a
-TaskGroup. An exception in one connection is logged at debug level (logger ``cc_server.egress``)
-and never reaches another connection or a listener.
+Concurrency: a session's listeners and client handlers are tasks in one `asyncio.TaskGroup`;
+a tunnel's two directions are loop callbacks that its connection's task waits for (`relay`). The
+session's group lives in one named supervisor task that `SessionProxies` holds and `aclose()`
+cancels and awaits: `start_session_proxies` must return while the group keeps running, and a
+TaskGroup cannot be entered in one task and left in another. That task is the only one created
+outside a TaskGroup. An exception in one connection is logged at debug level (logger
+``cc_server.egress``) and never reaches another connection or a listener.
 """
 
 from __future__ import annotations

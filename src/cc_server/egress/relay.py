@@ -12,7 +12,13 @@ Why not one thread per direction with blocking splice (the spike's D1, 0.80-0.91
 blocked in `splice` can only be woken by shutting its sockets down, so cancellation, the idle
 timeout and `aclose()` would each need a shutdown-then-join protocol across threads, and a
 session would hold two threads per tunnel. On the event loop a direction is a pair of callbacks
-and a future; cancelling its task removes the callbacks, and nothing can block.
+and a future, and `relay` waits for the two futures itself (no task per direction: a task and a
+TaskGroup cost more than the callbacks of a short request); cancelling `relay` removes the
+callbacks and closes the pipes, and nothing can block.
+
+Small first: a direction copies its first `SPLICE_AFTER_BYTES` with ``recv``/``send`` (a request
+head or a small response is two system calls, where a pipe costs five more before the first byte
+moves), then opens its pipe and splices; the loopback legs (below) are tuned at that point too.
 
 Each direction also loops a few rounds per wake-up (`ROUNDS_PER_WAKEUP`) before it returns to the
 selector, which saves a selector pass per pipe-full on a fast stream while bounding how long one
@@ -25,7 +31,8 @@ either way, or at the first error (a reset, a write to a closed peer): then both
 reset (``SO_LINGER`` 0), so a peer never mistakes a broken tunnel for a clean end of stream.
 
 Loopback legs (`tune_loopback_leg`): a socket whose peer is on loopback (the client's leg always
-is: the sandbox reaches the proxy through a loopback listener) gets two settings before relaying.
+is: the sandbox reaches the proxy through a loopback listener) gets two settings once the relay
+carries bulk data (a direction has read `SPLICE_AFTER_BYTES`).
 Measured on the 2-vCPU benchmark VM, 200 MiB through the CONNECT tunnel, interleaved rounds:
 - Reno congestion control. Where the host's default is BBR (as on that VM), every sender paces
   its segments with a timer, which on loopback only adds timer wake-ups and idle gaps: there is
@@ -81,6 +88,12 @@ PIPE_BYTES: Final = 1024 * 1024
 # The fallback's read size: large enough that a fast stream costs few system calls, small enough
 # that a tunnel holds little memory while its destination is slow (one chunk per direction).
 COPY_CHUNK_BYTES: Final = 256 * 1024
+# A direction copies (recv/send, reads of at most this size) until it has read this much, and
+# splices from then on: a request head or a small response moves with two system calls and no
+# pipe (a pipe costs five: pipe2, two fcntl, two close), and the loopback legs are tuned only
+# for a relay that carries more. Under the allocator's mmap threshold (128 KiB), so a read
+# costs no mmap/munmap.
+SPLICE_AFTER_BYTES: Final = 64 * 1024
 # Pipe-fulls a direction moves per wake-up before it lets other callbacks run (at most about
 # 4 MiB of one tunnel between two looks at the others).
 ROUNDS_PER_WAKEUP: Final = 4
@@ -142,8 +155,25 @@ class _Activity:
         self.last = self.loop.time()
 
 
+class _Legs:
+    """The relay's two sockets, tuned once the relay carries bulk data (`tune_loopback_leg`)."""
+
+    __slots__ = ("socks", "tuned")
+
+    def __init__(self, client: socket.socket, upstream: socket.socket) -> None:
+        self.socks = (client, upstream)
+        self.tuned = False
+
+    def tune(self) -> None:
+        if not self.tuned:
+            self.tuned = True
+            for sock in self.socks:
+                tune_loopback_leg(sock)
+
+
 class _Direction:
-    """Bytes from ``src`` to ``dst``: a pipe-full at a time, or a chunk at a time in copy mode."""
+    """Bytes from ``src`` to ``dst``: a chunk at a time by copying until `SPLICE_AFTER_BYTES`
+    were read, then a pipe-full at a time (or still by copying where splice is refused)."""
 
     def __init__(
         self,
@@ -154,6 +184,7 @@ class _Direction:
         prefix: bytes,
         use_splice: bool,
         activity: _Activity,
+        legs: _Legs,
     ) -> None:
         self._loop = loop
         self._src = src
@@ -161,8 +192,12 @@ class _Direction:
         self._src_fd = src.fileno()
         self._dst_fd = dst.fileno()
         self._activity = activity
+        self._legs = legs
         self._buffer = memoryview(prefix)  # bytes in user space still to write (prefix, copy)
-        self._use_splice = use_splice
+        self._may_splice = use_splice  # splice once this direction carries bulk data
+        self._use_splice = False  # splicing now
+        self._bulk = False  # SPLICE_AFTER_BYTES were read
+        self._read = 0  # bytes read by copying
         self._pipe_r = -1
         self._pipe_w = -1
         self._pipe_size = PIPE_BYTES
@@ -170,30 +205,37 @@ class _Direction:
         self._eof = False
         self._reading = False
         self._writing = False
-        self._done: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[None] = loop.create_future()
+        """Set once EOF has been passed on; its exception is the first OSError."""
         self.moved = 0  # bytes written to dst
 
-    async def run(self) -> None:
-        """Relay until EOF has been passed on; raises the first OSError."""
-        self._done = self._loop.create_future()
-        try:
-            if self._use_splice:
-                self._open_pipe()
-            self._pump()
-            await self._done
-        finally:
-            self._stop_watching()
-            for fd in (self._pipe_r, self._pipe_w):
-                if fd >= 0:
-                    os.close(fd)
-            self._pipe_r = self._pipe_w = -1
+    def start(self) -> None:
+        """Move what can be moved now, then go on from loop callbacks until `done`."""
+        self._pump()
+
+    def stop(self) -> None:
+        """Remove the callbacks and close the pipe (idempotent); `done` is left as it is."""
+        self._stop_watching()
+        for fd in (self._pipe_r, self._pipe_w):
+            if fd >= 0:
+                os.close(fd)
+        self._pipe_r = self._pipe_w = -1
+        self._use_splice = self._may_splice = False
+
+    def _go_bulk(self) -> None:
+        """SPLICE_AFTER_BYTES were read: tune the legs, and splice from now on if allowed."""
+        self._bulk = True
+        self._legs.tune()
+        if self._may_splice:
+            self._may_splice = False
+            self._open_pipe()
 
     def _open_pipe(self) -> None:
         try:
             self._pipe_r, self._pipe_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
-            self._use_splice = False  # out of descriptors for pipes: copying still works
-            return
+            return  # out of descriptors for pipes: copying still works
+        self._use_splice = True
         with contextlib.suppress(OSError):
             fcntl.fcntl(self._pipe_w, _F_SETPIPE_SZ, PIPE_BYTES)
         try:
@@ -203,8 +245,7 @@ class _Direction:
 
     def _pump(self) -> None:
         """Move what can be moved now, then wait for the right readiness (a loop callback)."""
-        assert self._done is not None
-        if self._done.done():
+        if self.done.done():
             return
         self._activity.touch()
         try:
@@ -220,10 +261,12 @@ class _Direction:
             self._watch(write=False)
         except OSError as exc:
             self._stop_watching()
-            self._done.set_exception(exc)
+            self.done.set_exception(exc)
 
     def _fill(self) -> bool:
         """Read once from src into the pipe (or the buffer); False when src has nothing now."""
+        if not self._bulk and self._read >= SPLICE_AFTER_BYTES:
+            self._go_bulk()
         if self._use_splice:
             try:
                 n = os.splice(self._src_fd, self._pipe_w, self._pipe_size, flags=_SPLICE_FLAGS)
@@ -239,11 +282,12 @@ class _Direction:
                 self._in_pipe += n
                 return True
         try:
-            data = self._src.recv(COPY_CHUNK_BYTES)
+            data = self._src.recv(COPY_CHUNK_BYTES if self._bulk else SPLICE_AFTER_BYTES)
         except BlockingIOError:
             return False
         if not data:
             self._eof = True
+        self._read += len(data)
         self._buffer = memoryview(data)
         return True
 
@@ -286,11 +330,10 @@ class _Direction:
 
     def _finish(self) -> None:
         """EOF and nothing pending: pass the EOF on, and this direction is done."""
-        assert self._done is not None
         self._stop_watching()
         with contextlib.suppress(OSError):  # the peer may be gone already; nothing is lost
             self._dst.shutdown(socket.SHUT_WR)
-        self._done.set_result(None)
+        self.done.set_result(None)
 
     def _watch(self, *, write: bool) -> None:
         if write:
@@ -335,40 +378,58 @@ async def relay(
     been shut down, after an error with ``SO_LINGER`` 0 so that closing them sends a reset.
 
     Never raises for socket errors (they become `RelayOutcome.ERROR`); raises CancelledError when
-    cancelled, after removing its callbacks and closing its pipes.
+    cancelled, after removing its callbacks and closing its pipes. ``name`` is the caller's label
+    for the relay (the relay itself starts no task to name).
     """
     loop = asyncio.get_running_loop()
     splice = splice_available() if use_splice is None else use_splice
-    for sock in (client, upstream):
-        tune_loopback_leg(sock)
     activity = _Activity(loop)
+    legs = _Legs(client, upstream)
     up = _Direction(
-        loop, client, upstream, prefix=to_upstream, use_splice=splice, activity=activity
+        loop,
+        client,
+        upstream,
+        prefix=to_upstream,
+        use_splice=splice,
+        activity=activity,
+        legs=legs,
     )
     down = _Direction(
-        loop, upstream, client, prefix=to_client, use_splice=splice, activity=activity
+        loop,
+        upstream,
+        client,
+        prefix=to_client,
+        use_splice=splice,
+        activity=activity,
+        legs=legs,
     )
     outcome = RelayOutcome.CLOSED
     error = ""
     try:
-        async with asyncio.TaskGroup() as tg:
-            tasks = [
-                tg.create_task(up.run(), name=f"{name} client->upstream"),
-                tg.create_task(down.run(), name=f"{name} upstream->client"),
-            ]
-            while not all(task.done() for task in tasks):
-                remaining = activity.last + idle_timeout_s - loop.time()
-                if remaining <= 0:
-                    outcome = RelayOutcome.IDLE
-                    for task in tasks:
-                        task.cancel()
-                    break
-                await asyncio.wait(tasks, timeout=remaining)
-    except* OSError as group:
-        outcome = RelayOutcome.ERROR
-        error = "; ".join(str(exc) for exc in group.exceptions)
-        for sock in (client, upstream):
-            _reset(sock)
+        up.start()
+        down.start()
+        pending: set[asyncio.Future[None]] = {up.done, down.done}
+        while pending:
+            remaining = activity.last + idle_timeout_s - loop.time()
+            if remaining <= 0:
+                outcome = RelayOutcome.IDLE
+                break
+            finished, pending = await asyncio.wait(
+                pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
+            errors = [f.exception() for f in finished if f.exception() is not None]
+            if errors:
+                outcome = RelayOutcome.ERROR
+                error = "; ".join(str(exc) for exc in errors)
+                for sock in (client, upstream):
+                    _reset(sock)
+                break
+    finally:
+        up.stop()
+        down.stop()
+        for direction in (up, down):  # an exception nobody waited for is not "never retrieved"
+            if direction.done.done() and not direction.done.cancelled():
+                direction.done.exception()
     if outcome is RelayOutcome.IDLE:
         for sock in (client, upstream):
             with contextlib.suppress(OSError):
