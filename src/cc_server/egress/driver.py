@@ -581,6 +581,10 @@ class _Connection:
     # Client I/O during the handshake, bounded by its deadline.
 
     async def _recv(self) -> bytes:
+        try:  # the request is usually there already: no timeout scope, no wait
+            return self._client.recv(HANDSHAKE_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            pass
         async with asyncio.timeout_at(self._deadline):
             return await self._loop.sock_recv(self._client, HANDSHAKE_READ_BYTES)
 

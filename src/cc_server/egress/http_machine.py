@@ -105,7 +105,10 @@ class HttpProxyMachine(HandshakeMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        # None once the relay owns the rest of the stream (h11 is never asked again).
+        self._conn: h11.Connection | None = h11.Connection(
+            h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES
+        )
         self._received = 0  # every byte fed, to measure the head once h11 has parsed it
         self._first_byte: int | None = None
         self._connect = False
@@ -114,9 +117,10 @@ class HttpProxyMachine(HandshakeMachine):
     @property
     def buffered_bytes(self) -> int:
         """Client bytes received and not yet handed on."""
-        return len(self._conn.trailing_data[0])
+        return 0 if self._conn is None else len(self._conn.trailing_data[0])
 
     def _feed(self, data: bytes) -> None:
+        assert self._conn is not None  # fed only while READING
         if self._first_byte is None and data:
             self._first_byte = data[0]
         self._received += len(data)
@@ -129,6 +133,7 @@ class HttpProxyMachine(HandshakeMachine):
         # keep-alive leftover that cannot occur on a fresh one-request connection.)
         if self._first_byte is not None and self._first_byte < 0x21:
             return _refuse(400, "illegal request line")
+        assert self._conn is not None  # parsed only while READING
         try:
             event = self._conn.next_event()
         except h11.RemoteProtocolError as exc:
@@ -210,9 +215,9 @@ class HttpProxyMachine(HandshakeMachine):
         return CONNECT_ESTABLISHED if self._connect else b""
 
     def _take_relay_prefix(self) -> bytes:
+        assert self._conn is not None  # the relay prefix is taken once
         rest = self._conn.trailing_data[0]
-        # h11 keeps its buffer; the relay owns these bytes now, and h11 is never asked again.
-        self._conn = h11.Connection(h11.SERVER)
+        self._conn = None  # the relay owns these bytes now; h11's buffer goes with it
         return self._forward_head + rest
 
 

@@ -56,13 +56,13 @@ A driver loop, for either machine::
 from __future__ import annotations
 
 import abc
-import contextlib
 import enum
+import functools
 import ipaddress
 import re
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Final, Literal, TypeAlias
+from typing import Concatenate, Final, Literal, ParamSpec, TypeAlias, TypeVar
 
 __all__ = [
     "MAX_HEADERS",
@@ -207,6 +207,30 @@ class ProtocolError(Exception):
     """
 
 
+_M = TypeVar("_M", bound="HandshakeMachine")
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _guarded(method: Callable[Concatenate[_M, _P], _R]) -> Callable[Concatenate[_M, _P], _R]:
+    """h11's rule for a public method: in ERROR it raises at once, and an exception anywhere
+    inside moves the machine to ERROR for good. (A wrapper, not a context manager: it is on
+    every call of every connection's handshake, and a generator-based one costs several times
+    as much.)"""
+
+    @functools.wraps(method)
+    def guarded(self: _M, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        if self._state is State.ERROR:
+            raise ProtocolError("the machine is in ERROR after an earlier exception")
+        try:
+            return method(self, *args, **kwargs)
+        except BaseException:
+            self._state = State.ERROR
+            raise
+
+    return guarded
+
+
 class HandshakeMachine(abc.ABC):
     """The call-order rules both proxy machines share; subclasses parse their protocol."""
 
@@ -230,24 +254,25 @@ class HandshakeMachine(abc.ABC):
     def buffered_bytes(self) -> int:
         """Client bytes received and not yet handed on (for limits and tests)."""
 
+    @_guarded
     def receive_data(self, data: bytes) -> None:
         """Feed one chunk read from the client; ``b""`` means the client closed (EOF).
 
         Raises `ProtocolError` unless the last `next_event()` returned `NEED_DATA` (or nothing was
         asked yet), or after EOF was fed.
         """
-        with self._guard():
-            if self._state is not State.READING or not self._wants_data:
-                raise ProtocolError(
-                    "driver bug: receive_data() is only allowed after next_event() returned "
-                    f"NEED_DATA (state {self._state.value})"
-                )
-            if self._eof:
-                raise ProtocolError("driver bug: receive_data() after EOF (b'') was fed")
-            self._wants_data = False
-            self._eof = not data
-            self._feed(data)
+        if self._state is not State.READING or not self._wants_data:
+            raise ProtocolError(
+                "driver bug: receive_data() is only allowed after next_event() returned "
+                f"NEED_DATA (state {self._state.value})"
+            )
+        if self._eof:
+            raise ProtocolError("driver bug: receive_data() after EOF (b'') was fed")
+        self._wants_data = False
+        self._eof = not data
+        self._feed(data)
 
+    @_guarded
     def next_event(self) -> Event:
         """Return the next thing the driver must do; see the module docstring.
 
@@ -255,29 +280,29 @@ class HandshakeMachine(abc.ABC):
         `OpenUpstream` needs `upstream_result()`), after the conversation ended (`CLOSED`, or
         `StartRelay` was returned), or in `ERROR`.
         """
-        with self._guard():
-            if self._state is State.READING:
-                event = self._parse()
-                if event is NEED_DATA:
-                    self._wants_data = True
-                elif isinstance(event, ProtocolRefused):
-                    self._state = State.CLOSED
-                elif isinstance(event, CheckEgress):
-                    self._check = event
-                    self._state = State.CHECKING
-                return event
-            if self._queued is not None:
-                queued, self._queued = self._queued, None
-                return queued
-            raise ProtocolError(
-                {
-                    State.CHECKING: "driver bug: answer CheckEgress with decide() first",
-                    State.OPENING: "driver bug: answer OpenUpstream with upstream_result() first",
-                    State.RELAY: "driver bug: the machine handed over to the relay (StartRelay)",
-                    State.CLOSED: "driver bug: the conversation is over; close the connection",
-                }[self._state]
-            )
+        if self._state is State.READING:
+            event = self._parse()
+            if event is NEED_DATA:
+                self._wants_data = True
+            elif isinstance(event, ProtocolRefused):
+                self._state = State.CLOSED
+            elif isinstance(event, CheckEgress):
+                self._check = event
+                self._state = State.CHECKING
+            return event
+        if self._queued is not None:
+            queued, self._queued = self._queued, None
+            return queued
+        raise ProtocolError(
+            {
+                State.CHECKING: "driver bug: answer CheckEgress with decide() first",
+                State.OPENING: "driver bug: answer OpenUpstream with upstream_result() first",
+                State.RELAY: "driver bug: the machine handed over to the relay (StartRelay)",
+                State.CLOSED: "driver bug: the conversation is over; close the connection",
+            }[self._state]
+        )
 
+    @_guarded
     def decide(self, allowed: bool, reason: str = "", how_to_allow: str = "") -> bytes:
         """Answer `CheckEgress`; return the bytes to write to the client.
 
@@ -287,15 +312,15 @@ class HandshakeMachine(abc.ABC):
 
         Raises `ProtocolError` unless the last event was `CheckEgress`.
         """
-        with self._guard():
-            check = self._pending_check("decide()")
-            if not allowed:
-                self._state = State.CLOSED
-                return self._denied_reply(check, reason, how_to_allow)
-            self._state = State.OPENING
-            self._queued = OpenUpstream(host=check.host, port=check.port)
-            return b""
+        check = self._pending_check("decide()")
+        if not allowed:
+            self._state = State.CLOSED
+            return self._denied_reply(check, reason, how_to_allow)
+        self._state = State.OPENING
+        self._queued = OpenUpstream(host=check.host, port=check.port)
+        return b""
 
+    @_guarded
     def unreachable(self, error: str = UPSTREAM_UNREACHABLE) -> bytes:
         """Answer `CheckEgress` with: not refused, but there is nothing to dial (a name that
         does not resolve); return the failure reply `upstream_result(False, error)` would, and
@@ -303,10 +328,9 @@ class HandshakeMachine(abc.ABC):
 
         Raises `ProtocolError` unless the last event was `CheckEgress`.
         """
-        with self._guard():
-            check = self._pending_check("unreachable()")
-            self._state = State.CLOSED
-            return self._upstream_failed_reply(check, error)
+        check = self._pending_check("unreachable()")
+        self._state = State.CLOSED
+        return self._upstream_failed_reply(check, error)
 
     def _pending_check(self, call: str) -> CheckEgress:
         """The `CheckEgress` `call` answers; a driver bug if none is pending."""
@@ -316,6 +340,7 @@ class HandshakeMachine(abc.ABC):
             )
         return self._check
 
+    @_guarded
     def upstream_result(self, ok: bool, error: str = "") -> bytes:
         """Answer `OpenUpstream`; return the bytes to write to the client.
 
@@ -327,30 +352,18 @@ class HandshakeMachine(abc.ABC):
 
         Raises `ProtocolError` unless the last event was `OpenUpstream`.
         """
-        with self._guard():
-            if self._state is not State.OPENING or self._queued is not None:
-                raise ProtocolError(
-                    "driver bug: upstream_result() without a pending OpenUpstream "
-                    f"(state {self._state.value})"
-                )
-            assert self._check is not None  # set whenever the state is OPENING
-            if not ok:
-                self._state = State.CLOSED
-                return self._upstream_failed_reply(self._check, error)
-            self._state = State.RELAY
-            self._queued = StartRelay(to_upstream=self._take_relay_prefix(), to_client=b"")
-            return self._established_reply()
-
-    @contextlib.contextmanager
-    def _guard(self) -> Iterator[None]:
-        """h11's rule: an exception anywhere inside moves the machine to ERROR for good."""
-        if self._state is State.ERROR:
-            raise ProtocolError("the machine is in ERROR after an earlier exception")
-        try:
-            yield
-        except BaseException:
-            self._state = State.ERROR
-            raise
+        if self._state is not State.OPENING or self._queued is not None:
+            raise ProtocolError(
+                "driver bug: upstream_result() without a pending OpenUpstream "
+                f"(state {self._state.value})"
+            )
+        assert self._check is not None  # set whenever the state is OPENING
+        if not ok:
+            self._state = State.CLOSED
+            return self._upstream_failed_reply(self._check, error)
+        self._state = State.RELAY
+        self._queued = StartRelay(to_upstream=self._take_relay_prefix(), to_client=b"")
+        return self._established_reply()
 
     # What each protocol supplies.
 

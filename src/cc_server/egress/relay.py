@@ -222,6 +222,12 @@ class _Direction:
         self._pipe_r = self._pipe_w = -1
         self._use_splice = self._may_splice = False
 
+    def failure(self) -> BaseException | None:
+        """The error this direction ended with, if it has ended with one."""
+        if not self.done.done() or self.done.cancelled():
+            return None
+        return self.done.exception()
+
     def _go_bulk(self) -> None:
         """SPLICE_AFTER_BYTES were read: tune the legs, and splice from now on if allowed."""
         self._bulk = True
@@ -360,6 +366,53 @@ class _Direction:
             self._writing = False
 
 
+class _Waiter:
+    """What `relay` waits for, on one future: both directions done, the first error, or the idle
+    timeout (one timer, moved on while bytes move). Lighter than `asyncio.wait` on the two
+    futures, which a short request would pay for twice."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        done: tuple[asyncio.Future[None], ...],
+        activity: _Activity,
+        idle_timeout_s: float,
+    ) -> None:
+        self._loop = loop
+        self._done = done
+        self._activity = activity
+        self._idle_timeout_s = idle_timeout_s
+        self.finished: asyncio.Future[None] = loop.create_future()
+        self.outcome = RelayOutcome.CLOSED
+        for future in done:
+            future.add_done_callback(self._one_done)
+        self._timer: asyncio.TimerHandle | None = loop.call_at(
+            activity.last + idle_timeout_s, self._check_idle
+        )
+
+    def _one_done(self, future: asyncio.Future[None]) -> None:
+        failed = not future.cancelled() and future.exception() is not None
+        if not self.finished.done() and (failed or all(f.done() for f in self._done)):
+            self.finished.set_result(None)
+
+    def _check_idle(self) -> None:
+        due = self._activity.last + self._idle_timeout_s
+        if due > self._loop.time():
+            self._timer = self._loop.call_at(due, self._check_idle)
+        elif not self.finished.done():
+            self._timer = None
+            self.outcome = RelayOutcome.IDLE
+            self.finished.set_result(None)
+
+    def close(self) -> None:
+        """Stop the timer and the callbacks (idempotent)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for future in self._done:
+            future.remove_done_callback(self._one_done)
+
+
 async def relay(
     client: socket.socket,
     upstream: socket.socket,
@@ -403,33 +456,21 @@ async def relay(
         activity=activity,
         legs=legs,
     )
-    outcome = RelayOutcome.CLOSED
-    error = ""
+    waiter = _Waiter(loop, (up.done, down.done), activity, idle_timeout_s)
     try:
         up.start()
         down.start()
-        pending: set[asyncio.Future[None]] = {up.done, down.done}
-        while pending:
-            remaining = activity.last + idle_timeout_s - loop.time()
-            if remaining <= 0:
-                outcome = RelayOutcome.IDLE
-                break
-            finished, pending = await asyncio.wait(
-                pending, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-            )
-            errors = [f.exception() for f in finished if f.exception() is not None]
-            if errors:
-                outcome = RelayOutcome.ERROR
-                error = "; ".join(str(exc) for exc in errors)
-                for sock in (client, upstream):
-                    _reset(sock)
-                break
+        await waiter.finished
     finally:
+        waiter.close()
         up.stop()
         down.stop()
-        for direction in (up, down):  # an exception nobody waited for is not "never retrieved"
-            if direction.done.done() and not direction.done.cancelled():
-                direction.done.exception()
+        errors = [exc for exc in (up.failure(), down.failure()) if exc is not None]
+    outcome = RelayOutcome.ERROR if errors else waiter.outcome
+    error = "; ".join(str(exc) for exc in errors)
+    if errors:
+        for sock in (client, upstream):
+            _reset(sock)
     if outcome is RelayOutcome.IDLE:
         for sock in (client, upstream):
             with contextlib.suppress(OSError):
