@@ -137,10 +137,10 @@ def check_target(
         if ask and not allowlist.is_empty:
             return Refused(host=host, reason=str(exc), entry=None, nothing=NOTHING_INVALID)
         return _unlisted(decision, port, allowlist)
-    decision = allowlist.decide(target, port)
-    unlisted = not decision.allowed
-    if unlisted and not (ask and decision.rule is None and not allowlist.is_empty):
-        return _unlisted(decision, port, allowlist)
+    rule, allowed = allowlist.match(target, port)  # the wording only for a refusal
+    unlisted = not allowed
+    if unlisted and not (ask and rule is None and not allowlist.is_empty):
+        return _unlisted(allowlist.decide(target, port), port, allowlist)
     if isinstance(target, str):
         return Resolve(name=target, port=port, ask=unlisted)
     why = forbidden(allowlist, target, port)
@@ -170,13 +170,13 @@ def unresolvable(name: str, error: BaseException) -> Unresolvable:
 
 def forbidden(allowlist: Allowlist, address: IPAddress, port: int) -> str | None:
     """Why egress must not dial `address` on `port`, or None. Never raises."""
-    listed = allowlist.decide(address, port)
-    if listed.rule is not None:
-        if listed.allowed:
-            if isinstance(listed.rule.pattern, IpLiteralPattern):
+    rule, allowed = allowlist.match(address, port)
+    if rule is not None:
+        if allowed:
+            if isinstance(rule.pattern, IpLiteralPattern):
                 return None  # the address itself is on the allowlist (and not on the deny list)
         else:  # a rule that refuses is a deny rule (deny rules match on every port)
-            return f"{DENIED_ADDRESS} ({listed.reason})"
+            return f"{DENIED_ADDRESS} ({allowlist.decide(address, port).reason})"
     why = forbidden_reason(address)
     return None if why is None else f"{why} address"
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import http
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import h11
 
@@ -87,6 +88,9 @@ _DROPPED_HEADERS = frozenset(
 _KEPT_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding"})
 
 _HEAD_TOO_LARGE = f"request head over {MAX_HEADER_BYTES} bytes"
+
+
+_Field: TypeAlias = tuple[bytes, bytes, bytes]  # a header field: (lower-case name, name, value)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,29 +156,36 @@ class HttpProxyMachine(HandshakeMachine):
             return _refuse(431, f"more than {MAX_HEADERS} header fields")
         if event.http_version not in (b"1.0", b"1.1"):
             return _refuse(505, "only HTTP/1.0 and HTTP/1.1 are supported")
+        # The fields once, as (lower-case name, name as sent, value): h11's Headers is a
+        # Sequence that costs a method call per field on every walk.
+        fields = [(raw.lower(), raw, value) for raw, value in event.headers.raw_items()]
         if event.method == b"CONNECT":
-            return self._parse_connect(event)
-        return self._parse_forward(event)
+            return self._parse_connect(event, fields)
+        return self._parse_forward(event, fields)
 
-    def _parse_connect(self, request: h11.Request) -> CheckEgress | ProtocolRefused:
+    def _parse_connect(
+        self, request: h11.Request, fields: list[_Field]
+    ) -> CheckEgress | ProtocolRefused:
         target = request.target.decode("ascii")  # h11 admits only visible ASCII here
         parsed = _parse_authority(target, default_port=None)
         if isinstance(parsed, str):
             return _refuse(400, f"CONNECT target must be host:port: {parsed}")
         host, port = parsed
-        for name, value in request.headers:
+        for name, _, value in fields:
             if name == b"transfer-encoding" or (name == b"content-length" and value != b"0"):
                 return _refuse(400, "CONNECT must not carry a request body")
         self._connect = True
         return CheckEgress(host=host, port=port, kind="connect")
 
-    def _parse_forward(self, request: h11.Request) -> CheckEgress | ProtocolRefused:
+    def _parse_forward(
+        self, request: h11.Request, fields: list[_Field]
+    ) -> CheckEgress | ProtocolRefused:
         parsed = _parse_absolute_target(request.target.decode("ascii"))
         if isinstance(parsed, ProtocolRefused):
             return parsed
         host_header: bytes | None = None
         framing: set[bytes] = set()
-        for name, value in request.headers:
+        for name, _, value in fields:
             if name == b"host":
                 host_header = value  # h11 refuses a second Host field
             elif name in (b"content-length", b"transfer-encoding"):
@@ -185,7 +196,7 @@ class HttpProxyMachine(HandshakeMachine):
             refused = _check_host_header(host_header, parsed)
             if refused is not None:
                 return refused
-        self._forward_head = _forward_head(request, parsed, add_host=host_header is None)
+        self._forward_head = _forward_head(request, parsed, fields, add_host=host_header is None)
         return CheckEgress(host=parsed.host, port=parsed.port, kind="forward")
 
     def _denied_reply(self, check: CheckEgress, reason: str, how_to_allow: str) -> bytes:
@@ -293,10 +304,12 @@ def _check_host_header(value: bytes, target: _Target) -> ProtocolRefused | None:
     return None
 
 
-def _forward_head(request: h11.Request, target: _Target, *, add_host: bool) -> bytes:
+def _forward_head(
+    request: h11.Request, target: _Target, fields: list[_Field], *, add_host: bool
+) -> bytes:
     named_by_connection = {
         token.strip().lower()
-        for name, value in request.headers
+        for name, _, value in fields
         if name == b"connection"
         for token in value.split(b",")
     } - _KEPT_HEADERS
@@ -304,8 +317,7 @@ def _forward_head(request: h11.Request, target: _Target, *, add_host: bool) -> b
     if add_host:
         host = f"[{target.host}]" if ":" in target.host else target.host
         lines.append(b"Host: " + (host if target.port == 80 else f"{host}:{target.port}").encode())
-    for raw_name, value in request.headers.raw_items():
-        name = raw_name.lower()
+    for name, raw_name, value in fields:
         if name not in _DROPPED_HEADERS and name not in named_by_connection:
             lines.append(raw_name + b": " + value)
     lines.append(b"Connection: close")

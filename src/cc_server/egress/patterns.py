@@ -489,27 +489,42 @@ class Allowlist:
         Never raises.
         """
         shown = str(target)
-        for rule in self.denied:
-            if _rule_matches(rule, target, deny=True):
-                return Decision(
-                    allowed=False,
-                    host=shown,
-                    rule=rule,
-                    reason=f"{shown} is on the egress deny list ({rule.pattern}: {rule.reason})",
-                )
-        for rule in self.patterns:
-            if (rule.port is None or rule.port == port) and _rule_matches(rule, target):
-                return Decision(
-                    allowed=True,
-                    host=shown,
-                    rule=rule,
-                    reason=f"{shown} is allowed by {rule} ({rule.reason})",
-                )
+        rule, allowed = self.match(target, port)
+        if rule is not None and not allowed:
+            return Decision(
+                allowed=False,
+                host=shown,
+                rule=rule,
+                reason=f"{shown} is on the egress deny list ({rule.pattern}: {rule.reason})",
+            )
+        if rule is not None:
+            return Decision(
+                allowed=True,
+                host=shown,
+                rule=rule,
+                reason=f"{shown} is allowed by {rule} ({rule.reason})",
+            )
         if self.is_empty:
             reason = f"{shown}: network access is off for this session (the allowlist is empty)"
         else:
             reason = f"{shown} is not on this session's egress allowlist"
         return Decision(allowed=False, host=shown, rule=None, reason=reason)
+
+    def match(
+        self, target: IPAddress | str, port: int | None = None
+    ) -> tuple[AllowlistRule | None, bool]:
+        """`decide` without the wording: the rule that decides a parsed target and whether it
+        allows it, (deny rule, False), (entry, True), or (None, False) when nothing matches.
+
+        Never raises.
+        """
+        for rule in self.denied:
+            if _rule_matches(rule, target, deny=True):
+                return rule, False
+        for rule in self.patterns:
+            if (rule.port is None or rule.port == port) and _rule_matches(rule, target):
+                return rule, True
+        return None, False
 
 
 def _rule_matches(rule: AllowlistRule, target: IPAddress | str, *, deny: bool = False) -> bool:
