@@ -10,11 +10,15 @@ function still closes the circle it is part of, so it cannot be the way a circle
 
 `from package import name` is an edge to `package.name` when that is a module, else to the
 package's `__init__`; a package's `__init__` is not implied by importing one of its modules.
+A subpackage's `__init__` re-exports its names lazily (`cc_server.exports`): each module its
+`_EXPORTS` map names is an edge too (function-level: it runs on first use), and the `__init__`
+sits in the layer of the highest module of its package, so nothing below imports the façade.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,7 +34,7 @@ PACKAGE = pathlib.Path(cc_server.__file__).parent
 LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(names.split())
     for names in (
-        "errors tasks",
+        "errors exports tasks",
         "cc_server policy",  # cc_server: the package's root (its errors, __version__)
         "rundir",  # the run directory: base directories, their registry, dead owners' names
         "backends",
@@ -63,6 +67,7 @@ def module_name(path: pathlib.Path) -> str:
     return ".".join(parts)
 
 
+@functools.cache
 def package_modules() -> dict[str, pathlib.Path]:
     return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
 
@@ -114,13 +119,29 @@ def _imports(
                 yield from _imports(modules, module, handler.body, lazy)
 
 
+def _lazy_exports(
+    modules: dict[str, pathlib.Path], module: str, tree: ast.Module
+) -> Iterator[Edge]:
+    """The edges of an `__init__`'s `_EXPORTS` map (name -> module it is imported from)."""
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) and len(node.targets) == 1 else None)
+        value = getattr(node, "value", None)
+        if isinstance(target, ast.Name) and target.id == "_EXPORTS":
+            assert isinstance(value, ast.Dict), f"{module}: _EXPORTS is not a dict literal"
+            for item in value.values:
+                assert isinstance(item, ast.Constant) and item.value in modules, (module, item)
+                yield Edge(module, item.value, item.lineno, True)
+
+
 def import_graph() -> dict[str, dict[str, Edge]]:
     """Each module's edges, by target: the first import statement of that target."""
     modules = package_modules()
     graph: dict[str, dict[str, Edge]] = {module: {} for module in modules}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        for edge in _imports(modules, module, tree.body, False):
+        for edge in (*_imports(modules, module, tree.body, False),
+                     *_lazy_exports(modules, module, tree)):
             if edge.target != module:
                 graph[module].setdefault(edge.target, edge)
     return graph
@@ -167,6 +188,10 @@ def package_of(module: str) -> str:
 
 
 def layer_of(module: str) -> int:
+    modules = package_modules()
+    if module != "cc_server" and modules[module].name == "__init__.py":
+        # A subpackage's façade: the layer of the highest module of its package.
+        return max(layer_of(m) for m in modules if m.startswith(module + "."))
     name = module.removeprefix("cc_server.")
     for unit in (name, package_of(module)):
         found = [i for i, layer in enumerate(LAYERS) if unit in layer]
@@ -224,3 +249,15 @@ def test_the_graph_sees_each_kind_of_import(tmp_path: pathlib.Path) -> None:
     }
     del graph["pkg.b"]["pkg.c"]
     assert find_cycle(graph) is None
+
+
+def test_a_facade_is_as_high_as_what_it_re_exports() -> None:
+    """A lazy `_EXPORTS` map is read as edges, and a subpackage's `__init__` takes the layer of
+    its highest module: the microVM façade re-exports the backend, above the machine."""
+    modules = package_modules()
+    tree = ast.parse(modules["cc_server.microvm"].read_text())
+    targets = {edge.target for edge in _lazy_exports(modules, "cc_server.microvm", tree)}
+    assert targets == {"cc_server.microvm.handle", "cc_server.microvm.runtime"}
+    assert layer_of("cc_server.microvm") == layer_of("cc_server.microvm.runtime")
+    assert layer_of("cc_server.microvm") > layer_of("cc_server.microvm.vm")
+    assert layer_of("cc_server.runtime") == layer_of("cc_server.runtime.port")
