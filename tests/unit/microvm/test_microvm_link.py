@@ -5,7 +5,9 @@ ends every command's channel and leaves nothing to send to; what it sent intact 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
+from collections.abc import AsyncIterator
 
 import pytest
 
@@ -44,16 +46,25 @@ class FakeAgent:
         await self._server.wait_closed()
 
 
-@pytest.mark.parametrize("garbage", GARBAGE.values(), ids=GARBAGE.keys())
-async def test_a_garbage_frame_fails_every_waiter_at_once(
-    tmp_path: pathlib.Path, garbage: bytes
-) -> None:
+@contextlib.asynccontextmanager
+async def attached(tmp_path: pathlib.Path) -> AsyncIterator[tuple[AgentLink, asyncio.StreamWriter]]:
+    """A link attached to a fake agent, and the agent's end."""
     fake = FakeAgent()
     await fake.start(tmp_path / "agent.sock")
     link = AgentLink(lambda: None)
     try:
         await link.attach(tmp_path / "agent.sock", alive=lambda: True)
-        agent = await fake.peer()
+        yield link, await fake.peer()
+    finally:
+        await link.detach()
+        await fake.aclose()
+
+
+@pytest.mark.parametrize("garbage", GARBAGE.values(), ids=GARBAGE.keys())
+async def test_a_garbage_frame_fails_every_waiter_at_once(
+    tmp_path: pathlib.Path, garbage: bytes
+) -> None:
+    async with attached(tmp_path) as (link, agent):
         channel = link.open_exec()
         waiting = asyncio.create_task(link.request(FrameType.PING, b"x", FrameType.PONG, 0))
         await asyncio.sleep(0)
@@ -69,18 +80,10 @@ async def test_a_garbage_frame_fails_every_waiter_at_once(
             link.send(channel.channel, FrameType.SIGNAL, b"\x09\0\0\0")
         late = link.open_exec()
         assert (await late.frames.get()).type is FrameType.ABORT
-    finally:
-        await link.detach()
-        await fake.aclose()
 
 
 async def test_frames_split_anywhere_still_decode(tmp_path: pathlib.Path) -> None:
-    fake = FakeAgent()
-    await fake.start(tmp_path / "agent.sock")
-    link = AgentLink(lambda: None)
-    try:
-        await link.attach(tmp_path / "agent.sock", alive=lambda: True)
-        agent = await fake.peer()
+    async with attached(tmp_path) as (link, agent):
         channel = link.open_exec()
         data = encode(channel.channel, FrameType.STDOUT, b"hello") + encode(
             channel.channel, FrameType.EXIT, b"\0\0\0\0\0\0\0\0")
@@ -91,6 +94,3 @@ async def test_frames_split_anywhere_still_decode(tmp_path: pathlib.Path) -> Non
             assert (await channel.frames.get()).payload == b"hello"
             assert (await channel.frames.get()).type is FrameType.EXIT
         assert link.connected
-    finally:
-        await link.detach()
-        await fake.aclose()
