@@ -143,9 +143,13 @@ def qemu_argv(
         f"share={'on' if ram_shared else 'off'}"
         if ram_path is not None
         else f"memory-backend-ram,id=mem0,size={mem}M",
-        "-kernel", str(image.kernel),
-        "-initrd", str(image.initrd),
-        "-append", config.cmdline,
+    ]
+    if not incoming:
+        # A restore's guest kernel is in the snapshot's RAM already: without these QEMU neither
+        # reads the ~66 MB kernel nor keeps it for firmware that never runs again (no reboot).
+        argv += ["-kernel", str(image.kernel), "-initrd", str(image.initrd),
+                 "-append", config.cmdline]
+    argv += [
         "-serial", f"file:{run_dir / 'console.log'}",
         "-device", "virtio-serial-device",
         "-chardev", f"socket,id=agent,path={_opt(str(run_dir / 'agent.sock'))},server=on,wait=off",
