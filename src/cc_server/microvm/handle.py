@@ -150,18 +150,34 @@ class MicroVMHandle(SandboxHandle):
 
     async def _start(self) -> None:
         assert self.pool is not None and self.mount_plan is not None
+        proxy_dir: list[Path] = []  # the session's egress sockets, once its proxies run
+        pool, shares = self.pool, self.mount_plan.shares
+
+        async def start_egress() -> None:
+            if self.egress is not None:
+                proxy_dir.append(Path((await self.egress.start()).socket_dir))
+
+        async def restore(link: AgentLink, run_dir: Path) -> tuple[Vm, list[Frame]]:
+            self._vm, replies = await pool.restore(run_dir, shares, link, self._mount_requests())
+            return self._vm, replies
+
         try:
-            bridge = await self.egress.start() if self.egress is not None else None
-            proxy_dir = Path(bridge.socket_dir) if bridge is not None else None
-            self._link = AgentLink(lambda: proxy_dir)
+            self._link = AgentLink(lambda: proxy_dir[0] if proxy_dir else None)
             self._run_dir = private_dir(self.run_base, VM_DIR_PREFIX)
             self.details["runDir"] = str(self._run_dir)
-            self._vm, replies = await self.pool.restore(
-                self._run_dir, self.mount_plan.shares, self._link, self._mount_requests()
-            )
+            # The proxies start while QEMU does: no command runs (and so no guest connection
+            # opens) before the VM is warm, and either failing ends both.
+            try:
+                async with asyncio.TaskGroup() as group:
+                    group.create_task(start_egress(), name=f"microvm egress {self.session_id}")
+                    restoring = group.create_task(restore(self._link, self._run_dir),
+                                                  name=f"microvm restore {self.session_id}")
+            except BaseExceptionGroup as failed:
+                raise failed.exceptions[0] from None
+            vm, replies = restoring.result()
             self._check_mounts(replies)
             self.details["accelerator"] = self.pool.config.accel
-            self.details["qemuPid"] = self._vm.qemu.pid
+            self.details["qemuPid"] = vm.qemu.pid
             self.transition(SandboxState.WARM)
         except BaseException as exc:
             await self._teardown()
