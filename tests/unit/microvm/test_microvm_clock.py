@@ -8,8 +8,9 @@ import pathlib
 
 from cc_server.microvm.clock import BOOT_ID, HOST_CLOCKSOURCE, host_tsc_khz, tsc_khz_from
 from cc_server.microvm.image import GuestImage
+from cc_server.microvm.probe import MicroVMProbe, choose_agent_channel
 from cc_server.microvm.pool import VmPool
-from cc_server.microvm.vm import NOMINAL_TSC_KHZ, MachineConfig
+from cc_server.microvm.vm import NOMINAL_TSC_KHZ, MachineConfig, qemu_argv
 
 
 def _host(clocksource: str = "tsc", boot_id: str = "boot-1") -> dict[str, str]:
@@ -83,3 +84,29 @@ def test_the_rate_names_the_snapshot() -> None:
                        MachineConfig(accel="tcg", tsc_khz=2_446_000))
     }
     assert len(dirs) == 3, dirs
+
+
+def test_only_a_cold_boot_gets_the_kernel_and_its_command_line(tmp_path: pathlib.Path) -> None:
+    # A restore's kernel is in the snapshot's RAM: QEMU need not read nor hold it.
+    image = GuestImage(directory=tmp_path, kernel=tmp_path / "vmlinux",
+                       initrd=tmp_path / "initrd.cpio", kernel_release="6.1")
+    config = MachineConfig(accel="tcg", tsc_khz=2_445_000)
+    for incoming in (False, True):
+        argv = qemu_argv("/q", image, config, run_dir=tmp_path / "vm", ram_path=None,
+                         ram_shared=False, shares=(), empty_dir=tmp_path / "empty",
+                         incoming=incoming)
+        boots = {"-kernel", "-initrd", "-append"} & set(argv)
+        assert boots == (set() if incoming else {"-kernel", "-initrd", "-append"}), argv
+        assert ("-incoming" in argv) is incoming
+        if not incoming:
+            assert argv[argv.index("-append") + 1] == config.cmdline
+
+
+def test_the_agent_channel_falls_back_to_virtio_serial_without_vhost_vsock() -> None:
+    missing = choose_agent_channel(vhost_vsock=False)
+    assert missing.kind == "virtio-serial" and "/dev/vhost-vsock is missing" in missing.reason
+    present = choose_agent_channel(vhost_vsock=True)  # reported, not used: not built
+    assert present.kind == "virtio-serial" and "not built" in present.reason
+    verdict = MicroVMProbe(available=True, accel="tcg", reason="r", channel=missing)
+    assert verdict.to_json()["agentChannel"] == "virtio-serial"
+    assert MicroVMProbe(available=False, accel=None, reason="r").to_json()["agentChannel"] is None
