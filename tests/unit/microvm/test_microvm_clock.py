@@ -8,8 +8,8 @@ import pathlib
 
 from cc_server.microvm.clock import BOOT_ID, HOST_CLOCKSOURCE, host_tsc_khz, tsc_khz_from
 from cc_server.microvm.image import GuestImage
-from cc_server.microvm.probe import MicroVMProbe, choose_agent_channel
 from cc_server.microvm.pool import VmPool
+from cc_server.microvm.probe import MicroVMProbe, choose_agent_channel
 from cc_server.microvm.vm import NOMINAL_TSC_KHZ, MachineConfig, qemu_argv
 
 
