@@ -152,7 +152,7 @@ async def test_concurrent_commands_are_tagged_by_their_ids(
     assert output(frames, "c0") == "again\n" and frames[-1]["exitCode"] == 0
 
 
-async def test_stdin_close_and_kill_go_to_the_named_command(
+async def test_stdin_and_kill_by_id(
     stream: Frames, marker: str
 ) -> None:
     await stream.send({"id": "cat", "exec": {"argv": ["cat"], "stdin": "one\n"}})
