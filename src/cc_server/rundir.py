@@ -11,6 +11,7 @@ path where one is visible, by device and inode, for the sandboxes to hide.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import os
 import re
@@ -180,25 +181,16 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
     return out
 
 
-def base_dir_views(
-    own: str | None = None,
-    environ: Mapping[str, str] = os.environ,
-    mountinfo: str = "/proc/self/mountinfo",
+@functools.lru_cache(maxsize=16)
+def _aliases(
+    bases: tuple[str, ...], mounts: tuple[tuple[str, str, str], ...]
 ) -> tuple[str, ...]:
-    """Every host path at which one of `known_base_dirs` is visible: each base itself and every
-    alias through a mount (a bind mount of the base, or of a directory above it, elsewhere),
-    found from the mount table and confirmed by device and inode. Sorted, for stable plans."""
-    bases = []
-    identities = set()
-    for base in known_base_dirs(own, environ):
-        try:
-            info = os.lstat(base)
-        except FileNotFoundError:  # removed since it was found (its server stopped): not shown
-            continue
-        bases.append(base)
-        identities.add((info.st_dev, info.st_ino))
-    mounts = _mounts(mountinfo)
-    views = set(bases)
+    """The paths, other than the bases themselves, at which a base may be visible through
+    `mounts` (a bind mount of the base, or of a directory above it, elsewhere): candidates, for
+    `base_dir_views` to confirm by device and inode. Reads nothing, so it is cached: a server's
+    mount table and bases seldom change between two commands."""
+    seen = set(bases)
+    candidates = []
     for base in bases:
         for device, root, point in mounts:
             if not is_within(base, point):
@@ -210,12 +202,36 @@ def base_dir_views(
                 view = os.path.normpath(
                     os.path.join(other_point, os.path.relpath(in_fs, other_root))
                 )
-                if view in views:
-                    continue
-                with contextlib.suppress(OSError):
-                    info = os.lstat(view)
-                    if (info.st_dev, info.st_ino) in identities:
-                        views.add(view)
+                if view not in seen:
+                    seen.add(view)
+                    candidates.append(view)
+    return tuple(candidates)
+
+
+def base_dir_views(
+    own: str | None = None,
+    environ: Mapping[str, str] = os.environ,
+    mountinfo: str = "/proc/self/mountinfo",
+) -> tuple[str, ...]:
+    """Every host path at which one of `known_base_dirs` is visible: each base itself and every
+    alias through a mount (a bind mount of the base, or of a directory above it, elsewhere),
+    found from the mount table and confirmed by device and inode. Sorted, for stable plans.
+    The bases, the mount table and each alias's device and inode are read on every call."""
+    bases = []
+    identities = set()
+    for base in known_base_dirs(own, environ):
+        try:
+            info = os.lstat(base)
+        except FileNotFoundError:  # removed since it was found (its server stopped): not shown
+            continue
+        bases.append(base)
+        identities.add((info.st_dev, info.st_ino))
+    views = set(bases)
+    for view in _aliases(tuple(bases), tuple(_mounts(mountinfo))):
+        with contextlib.suppress(OSError):
+            info = os.lstat(view)
+            if (info.st_dev, info.st_ino) in identities:
+                views.add(view)
     return tuple(sorted(views))
 
 
