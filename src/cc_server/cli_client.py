@@ -49,6 +49,7 @@ FORWARDED_SIGNALS: Final = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # sent. The variables that choose the daemon instead are cli_socket.KEYED_ENV (part of its key).
 SENT_ENV: Final = ("TERM", "COLORTERM", "NO_COLOR", "LANG", "LANGUAGE", "TZ")
 EXIT_REFUSED: Final = 125
+_NOT_SERVED: Final = ("--help", "--events", "--ask")  # --ask reads the terminal itself
 _SO_PEERPIDFD: Final = 77  # Linux 6.5+; the daemon identifies its peers with it (backends/peer.py)
 
 
@@ -60,9 +61,10 @@ def _eligible(argv: Sequence[str]) -> bool:
     for arg in argv[1:]:
         if arg == "--":
             break
-        if arg in ("-h", "--help") or arg.startswith("--events"):
-            return False
-        if len(arg) > 3 and "--ask".startswith(arg):  # argparse takes "--as" for "--ask" too
+        # argparse takes a long option's unique prefix too ("--ev" for "--events", "--as",
+        # "--he"); the shortest unique one of these three is four characters long.
+        name = arg.partition("=")[0]
+        if arg == "-h" or (len(name) > 3 and any(o.startswith(name) for o in _NOT_SERVED)):
             return False
     return _peers_identifiable()
 

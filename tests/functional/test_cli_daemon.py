@@ -455,3 +455,17 @@ def test_a_c_client_without_its_interpreter_runs_nothing(
         assert proc.returncode == 125, proc
         assert f"cannot start {tmp_path}/gone/python" in proc.stderr
     assert not marker.exists()
+
+
+def test_what_the_daemon_does_not_serve_runs_in_process_even_abbreviated(
+    env: dict[str, str], runtime: pathlib.Path, argv0: tuple[str, ...]
+) -> None:
+    # argparse takes "--ev" for "--events" and "--he" for "--help": the events stream on the
+    # client's stdout, the help on its stdout, never a daemon's run without them.
+    events = client("run", "--ev", "json", "--", "echo", "hi", env=env, argv0=argv0)
+    assert events.returncode == 0, events.stderr
+    kinds = [json.loads(line)["type"] for line in events.stdout.splitlines()]
+    assert kinds == ["starting", "ready", "stdout", "exit"], events.stdout
+    usage = client("run", "--he", env=env, argv0=argv0)
+    assert usage.returncode == 0 and "--bind" in usage.stdout, usage.stderr
+    assert not daemon_pids(runtime)

@@ -307,13 +307,17 @@ static int eligible(int argc, char **argv) {
     const char *daemon = getenv("CC_SERVER_DAEMON");
     if (argc < 2 || strcmp(argv[1], "run") != 0 || (daemon && strcmp(daemon, "off") == 0))
         return 0;
+    static const char *const not_served[] = {"--help", "--events", "--ask"};
     for (int i = 2; i < argc; i++) {
         const char *arg = argv[i];
         if (strcmp(arg, "--") == 0) break;
-        if (strcmp(arg, "-h") == 0 || strcmp(arg, "--help") == 0 ||
-            strncmp(arg, "--events", 8) == 0)
-            return 0;
-        if (strlen(arg) > 3 && strncmp("--ask", arg, strlen(arg)) == 0) return 0;
+        if (strcmp(arg, "-h") == 0) return 0;
+        /* argparse takes a long option's unique prefix too ("--ev" for "--events"). */
+        size_t name = strcspn(arg, "=");
+        for (size_t k = 0; k < COUNT(not_served); k++)
+            if (name > 3 && name <= strlen(not_served[k]) &&
+                strncmp(not_served[k], arg, name) == 0)
+                return 0;
     }
     /* backends/peer.supported: the daemon identifies its peers by pidfd. */
     int pair[2];
