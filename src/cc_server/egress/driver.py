@@ -417,36 +417,61 @@ class SessionProxies:
                 )
 
     async def _accept(self, listener: _Listener, tg: asyncio.TaskGroup) -> None:
+        """Accept clients until cancelled. The listener stays registered with the loop for as
+        long as this runs (the loop's sock_accept registers and removes it for every client),
+        and each wake-up accepts every client that is waiting."""
         loop = asyncio.get_running_loop()
-        limit = self._params.limits.max_connections
-        while True:
-            try:
-                client, _ = await loop.sock_accept(listener.sock)
-            except OSError as exc:
-                log.debug("egress %s: accept failed: %s", self._params.session_id, exc)
-                await asyncio.sleep(ACCEPT_BACKOFF_S)
-                continue
-            if self._active >= limit:
-                log.debug(
-                    "egress %s: %d connections open (the limit); closing a new %s client",
-                    self._params.session_id,
-                    self._active,
-                    listener.protocol,
-                )
-                client.close()
-                continue
+        fd = listener.sock.fileno()
+        wake: asyncio.Future[None] = loop.create_future()
+
+        def readable() -> None:
+            if not wake.done():
+                wake.set_result(None)
+
+        loop.add_reader(fd, readable)
+        try:
+            while True:
+                try:
+                    client, _ = listener.sock.accept()
+                except (BlockingIOError, InterruptedError):
+                    await wake
+                    wake = loop.create_future()
+                    continue
+                except OSError as exc:
+                    log.debug("egress %s: accept failed: %s", self._params.session_id, exc)
+                    await asyncio.sleep(ACCEPT_BACKOFF_S)
+                    continue
+                self._admit(client, listener, tg)
+        finally:
+            loop.remove_reader(fd)
+
+    def _admit(self, client: socket.socket, listener: _Listener, tg: asyncio.TaskGroup) -> None:
+        """Serve a new client in the session's group, or close it at once over the limit."""
+        if self._active >= self._params.limits.max_connections:
+            log.debug(
+                "egress %s: %d connections open (the limit); closing a new %s client",
+                self._params.session_id,
+                self._active,
+                listener.protocol,
+            )
+            client.close()
+            return
+        try:
             client.setblocking(False)
-            self._served += 1
-            self._active += 1
-            try:
-                tg.create_task(
-                    self._serve(client, listener.protocol, self._served, listener.identity),
-                    name=f"egress {self._params.session_id} {listener.protocol} #{self._served}",
-                )
-            except BaseException:
-                self._active -= 1
-                client.close()
-                raise
+        except OSError:
+            client.close()
+            return
+        self._served += 1
+        self._active += 1
+        try:
+            tg.create_task(
+                self._serve(client, listener.protocol, self._served, listener.identity),
+                name=f"egress {self._params.session_id} {listener.protocol} #{self._served}",
+            )
+        except BaseException:
+            self._active -= 1
+            client.close()
+            raise
 
     async def _serve(
         self,
