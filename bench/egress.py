@@ -13,6 +13,11 @@ starts one case further along than the round before; each figure is the median o
   keep-alive proxy   the same asked of the HTTP proxy (absolute-form): it forwards one request a
                      connection (`Connection: close`, so each is checked), so curl reconnects
   keep-alive CONNECT the same inside one CONNECT tunnel (one check, then the relay only)
+  --costs            instead of the cases: where a forwarded request's time goes, counted rather
+                     than timed (steadier on a loaded machine): the proxies' thread's user and
+                     system CPU, its event-loop iterations and (with strace installed, attached to
+                     that thread) its system calls by name, each per request, over --runs x 500
+                     requests with a new connection each
   --soak             afterwards, 100 back-to-back downloads through the CONNECT tunnel, each hashed
                      (sha256) as it arrives and compared with the hash of the served file;
                      alternately Content-Length-framed and EOF-delimited (the end of the body is
@@ -42,6 +47,7 @@ byte-for-byte; the proxy's own cost per request <= +0.3 ms with a new connection
 <= +0.15 ms kept alive (issue 17; measured and printed, not yet met: see docs/egress.md).
 
 Usage: .venv/bin/python bench/egress.py [--runs N] [--size-mib 200] [--soak] [--upstream-cc NAME]
+       .venv/bin/python bench/egress.py --costs [--runs N]
 """
 
 from __future__ import annotations
@@ -232,9 +238,7 @@ def session_proxies() -> Iterator[Proxies]:
 
 def thread_cpu_s(thread_id: int) -> float:
     """User plus system CPU seconds of a thread of this process (procfs)."""
-    with open(f"/proc/self/task/{thread_id}/stat") as stat:
-        fields = stat.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return sum(thread_cpu_split_s(thread_id))
 
 
 def default_congestion_control() -> str:
@@ -335,6 +339,8 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=200, help="download size (default 200)")
     parser.add_argument("--soak", action="store_true",
                         help=f"then {SOAK_TRANSFERS} verified downloads through the tunnel")
+    parser.add_argument("--costs", action="store_true",
+                        help="count a forwarded request's CPU, loop iterations and system calls")
     parser.add_argument("--upstream-cc", default="", metavar="NAME",
                         help="congestion control the upstream sends with (default: the host's, "
                         f"{default_congestion_control()})")
@@ -344,6 +350,8 @@ def main() -> int:
     if shutil.which("curl") is None:
         print("curl is not installed (scripts/bootstrap installs it)", file=sys.stderr)
         return 1
+    if args.costs:
+        return run_costs(args.runs)
     size = args.size_mib * MIB
     work = tempfile.mkdtemp(prefix="cc-bench-egress-")
     try:
@@ -443,6 +451,86 @@ def main() -> int:
     for failure in failures[:5]:
         print(f"  failed: {failure}")
     return 1 if failures else 0
+
+
+def thread_cpu_split_s(thread_id: int) -> tuple[float, float]:
+    """User and system CPU seconds of a thread of this process (procfs)."""
+    with open(f"/proc/self/task/{thread_id}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def run_costs(runs: int) -> int:
+    """--costs: per forwarded request, the proxies' thread's CPU, loop iterations, system calls."""
+    iterations = [0]
+    loop_class = asyncio.SelectorEventLoop
+    run_once = loop_class._run_once  # type: ignore[attr-defined]
+
+    def counted(self: asyncio.AbstractEventLoop) -> None:
+        iterations[0] += 1
+        run_once(self)
+
+    loop_class._run_once = counted  # type: ignore[attr-defined]
+    work = tempfile.mkdtemp(prefix="cc-bench-egress-")
+    requests = runs * SMALL_REQUESTS
+    try:
+        payload = os.path.join(work, "payload")
+        make_payload(payload, MIB)
+        with upstream(payload) as port, session_proxies() as proxies:
+            config = os.path.join(work, "small.curl")
+            with open(config, "w") as out:
+                out.write(f'url = "http://127.0.0.1:{port}/small"\noutput = "/dev/null"\n'
+                          * SMALL_REQUESTS)
+            forward = ["-x", f"http://127.0.0.1:{proxies.http_port}"]
+            small_requests(config, forward)  # warm-up
+            user, system = thread_cpu_split_s(proxies.thread_id)
+            before = iterations[0]
+            for _ in range(runs):
+                small_requests(config, forward)
+            user_after, system_after = thread_cpu_split_s(proxies.thread_id)
+            loops = (iterations[0] - before) / requests
+            calls = syscalls_per_request(config, forward, proxies.thread_id, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"egress costs: {requests} forwarded requests of {SMALL_BYTES} B, a new connection "
+          "each; per request, the proxies' thread:")
+    print(f"  CPU {(user_after - user) / requests * 1e6:.0f} us user, "
+          f"{(system_after - system) / requests * 1e6:.0f} us system; "
+          f"{loops:.2f} event-loop iterations")
+    if calls is None:
+        print("  system calls: strace is not installed (or cannot attach)")
+    else:
+        total = sum(calls.values())
+        print(f"  system calls {total:.1f}: " + ", ".join(
+            f"{name} {count:.2f}" for name, count in sorted(calls.items(), key=lambda c: -c[1])))
+    return 0
+
+
+def syscalls_per_request(
+    config: str, forward: list[str], thread_id: int, work: str
+) -> dict[str, float] | None:
+    """System calls by name per request of one more batch, from strace -c on the thread."""
+    if shutil.which("strace") is None:
+        return None
+    out = os.path.join(work, "strace.txt")
+    tracer = subprocess.Popen(["strace", "-c", "-o", out, "-p", str(thread_id)],
+                              stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # attached (strace -p gives no signal of it)
+    try:
+        small_requests(config, forward)
+        time.sleep(0.2)
+    finally:
+        tracer.send_signal(signal.SIGINT)
+        tracer.wait(STARTUP_TIMEOUT_S)
+    calls: dict[str, float] = {}
+    with contextlib.suppress(OSError), open(out) as table:
+        for line in table.read().splitlines()[2:]:
+            fields = line.split()
+            # % time, seconds, usecs/call, calls, [errors,] syscall
+            if len(fields) in (5, 6) and fields[-1] != "total" and fields[3].isdigit():
+                calls[fields[-1]] = int(fields[3]) / SMALL_REQUESTS
+    return calls or None
 
 
 def run_soak(
