@@ -346,14 +346,22 @@ static int send_all(const char *data, size_t len) {
     return 0;
 }
 
-/* {"signal": N}, framed: sent from the handler (send is async-signal-safe). */
+/* {"signal": N}, framed: sent from the handler (only async-signal-safe calls: send). */
 static void forward(int signum) {
     int saved = errno;
-    char msg[32];
-    int n = snprintf(msg + 4, sizeof msg - 4, "{\"signal\": %d}", signum);
+    static const char head[] = "{\"signal\": ";
+    char msg[32], digits[8];
+    size_t n = 0, d = 0;
+    unsigned value = (unsigned)signum;
+    do digits[d++] = (char)('0' + value % 10);
+    while ((value /= 10) && d < sizeof digits);
+    memcpy(msg + 4, head, sizeof head - 1);
+    n = sizeof head - 1;
+    while (d) msg[4 + n++] = digits[--d];
+    msg[4 + n++] = '}';
     uint32_t size = htonl((uint32_t)n);
     memcpy(msg, &size, 4);
-    (void)send_all(msg, (size_t)n + 4);
+    (void)send_all(msg, n + 4);
     errno = saved;
 }
 
