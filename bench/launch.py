@@ -209,7 +209,9 @@ def main() -> int:
         shutil.rmtree(settings_dir, ignore_errors=True)
 
     raw_bwrap, lib, cli = medians["bwrap"], medians["library"], medians["cli"]
-    print(f"runs per case: {runs} (median wall time; the cases take turns)")
+    with open(cli_bin, "rb") as f:
+        kind = "pip's wrapper of the Python client" if f.read(2) == b"#!" else "the C client"
+    print(f"runs per case: {runs} (median wall time; the cases take turns); cli is {kind}")
     print(f"{'case':<12}{'median ms':>12}{'x raw bwrap':>14}")
     for name, value in medians.items():
         print(f"{name:<12}{value * 1000:>12.2f}{value / raw_bwrap:>14.2f}")
