@@ -148,12 +148,26 @@ PROTECTED_PATTERN_NAMES: Final[tuple[str, ...]] = tuple(p for p, _ in PROTECTED_
 STANDARD_DENY_CREATE_GLOBS: Final[tuple[str, ...]] = (".env", "*.key", "*.pem")
 
 
+# Paths seen to be in lexical form already, though they have a dot-name (`/home/u/.ssh`): the
+# policy's own rule paths come back on every check, and a set lookup is cheaper than normpath.
+_LEXICAL: set[str] = set()
+MAX_LEXICAL_REMEMBERED: Final = 4096  # a bound, as agents' paths pass here too
+
+
 def _lexical(path: str) -> str:
     """`path` with `.` and `..` components, doubled and trailing slashes taken out."""
-    if "/." not in path and "//" not in path and not path.endswith("/"):
-        return path  # already in that form: the common case, kept cheap
-    path = posixpath.normpath(path)
-    return "/" + path.lstrip("/") if path.startswith("//") else path
+    if ("/." in path or "//" in path or path.endswith("/")) and path not in _LEXICAL:
+        return _normalise(path)
+    return path  # no component to normalise: the common case, kept cheap
+
+
+def _normalise(path: str) -> str:
+    normal = posixpath.normpath(path)
+    if normal.startswith("//"):
+        normal = "/" + normal.lstrip("/")
+    if normal == path and len(_LEXICAL) < MAX_LEXICAL_REMEMBERED:
+        _LEXICAL.add(path)
+    return normal
 
 
 def relative_within(path: str, root: str) -> str | None:
@@ -173,7 +187,12 @@ def relative_within(path: str, root: str) -> str | None:
 
 def is_within(path: str, root: str) -> bool:
     """Whether `path` is `root` or lies below it (as `relative_within` compares them)."""
-    return relative_within(path, root) is not None
+    # `_lexical` inlined: this runs for every rule on every path the file tools check.
+    if ("/." in path or "//" in path or path.endswith("/")) and path not in _LEXICAL:
+        path = _normalise(path)
+    if ("/." in root or "//" in root or root.endswith("/")) and root not in _LEXICAL:
+        root = _normalise(root)
+    return path == root or path.startswith(root if root.endswith("/") else root + "/")
 
 
 def first_exposure(
