@@ -44,7 +44,7 @@ steadier than the wall time on a loaded machine (the proxies' own cost; the kern
 far side of each loopback hop is charged to whichever process sends into it).
 Targets: CONNECT and SOCKS5 download >= 0.75x direct (issue 17 asks 0.85x); soak: every transfer
 byte-for-byte; the proxy's own cost per request <= +0.3 ms with a new connection each and
-<= +0.15 ms kept alive (issue 17; measured and printed, not yet met: see docs/egress.md).
+<= +0.15 ms kept alive (issue 17; measured and printed, not met: see docs/egress.md).
 
 Usage: .venv/bin/python bench/egress.py [--runs N] [--size-mib 200] [--soak] [--upstream-cc NAME]
        .venv/bin/python bench/egress.py --costs [--runs N]
