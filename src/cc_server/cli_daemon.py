@@ -88,6 +88,10 @@ class _Spare:
     expires: float  # time.monotonic(): destroyed unused after this
 
 
+def _log(message: str) -> None:
+    print(f"cc-server daemon: {message}", file=sys.stderr)
+
+
 def _session_id() -> str:
     return f"cli-{os.getpid()}-{os.urandom(4).hex()}"  # as cli_spec.build_spec names one
 
@@ -306,32 +310,38 @@ class _Daemon:
                             time.monotonic() + SPARE_KEEP_S)
 
     async def _prepare(self, order: _SpareOrder) -> SandboxHandle | None:
-        """The spare: None when it cannot be made (the next run launches its own and says why
-        on its client's stderr)."""
+        """The spare: None when it cannot be made or has no sandbox to start (the next run
+        launches its own, and says why if that fails too)."""
         import msgspec
 
         from cc_server.backends.plan import Command
-        from cc_server.errors import CcServerError
 
         spec = msgspec.structs.replace(order.spec, session_id=_session_id())
         try:
             handle = self.manager.launch(
                 spec, backend=order.backend, deny_create_globs=order.deny_create
             )
-        except CcServerError:
+        except Exception as exc:
+            _log(f"no spare sandbox: {type(exc).__name__}: {exc}")
             return None
         try:
+            started = False
             if handle.egress is not None:  # a session sandbox: started as its first exec would
                 bridge = await handle.egress.start()
                 plan = handle.plan(Command(argv=("/bin/true",), in_session_sandbox=True,
                                            egress=bridge))
                 if plan.session is not None:
                     await handle.session_sandbox(plan)
+                    started = True
         except BaseException as exc:
             await self.manager.destroy(handle.session_id)
-            if isinstance(exc, CcServerError | OSError):
-                return None
-            raise
+            if not isinstance(exc, Exception):
+                raise
+            _log(f"no spare sandbox: {type(exc).__name__}: {exc}")
+            return None
+        if not started:
+            await self.manager.destroy(handle.session_id)
+            return None
         return handle
 
     def _expire_spare(self) -> None:
@@ -343,7 +353,10 @@ class _Daemon:
     async def _destroy(self, spare: _Spare) -> None:
         handle = await spare.task
         if handle is not None:
-            await self.manager.destroy(handle.session_id)
+            try:
+                await self.manager.destroy(handle.session_id)
+            except Exception as exc:  # a task of the daemon's group: it must not end the daemon
+                _log(f"a spare sandbox's teardown failed: {type(exc).__name__}: {exc}")
 
     async def _drop_spare(self) -> None:
         spare, self.spare = self.spare, None
