@@ -6,6 +6,7 @@ argv is built in the launch order `docs/launch.md` lists, one numbered step per 
 
 from __future__ import annotations
 
+import functools
 import posixpath
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -291,18 +292,25 @@ def _hide_base_dirs(policy: CompiledPolicy, egress: EgressBridge) -> list[_Word]
     views come from the caller, found by device and inode (rundir.base_dir_views); a bind the
     spec asks for inside a view (a run's credential directory) is bound again on top."""
     views = {*egress.hidden_dirs, *((egress.base_dir,) if egress.base_dir else ())}
-    roots = [m.host_path for m in policy.mounts] + list(SYSTEM_RO_PATHS)
-    args: list[_Word] = []
-    for view in sorted(views):
+    return list(_hiding_args(tuple(sorted(views)), policy.mounts))
+
+
+@functools.lru_cache(maxsize=64)
+def _hiding_args(views: tuple[str, ...], mounts: tuple[Mount, ...]) -> tuple[str, ...]:
+    """The words `_hide_base_dirs` plans for these views and mounts. Reads nothing, so it is
+    cached: a session's plan is made again for every command, mostly from the same two."""
+    roots = [m.host_path for m in mounts] + list(SYSTEM_RO_PATHS)
+    args: list[str] = []
+    for view in views:
         if not any(is_within(view, root) or is_within(root, view) for root in roots):
             continue
         args += ["--tmpfs", view]
-        for mount in sorted(policy.mounts, key=lambda m: m.host_path.count("/")):
+        for mount in sorted(mounts, key=lambda m: m.host_path.count("/")):
             if mount.host_path != view and is_within(mount.host_path, view):
                 flag = "--bind" if mount.writable else "--ro-bind"
                 args += [flag, mount.host_path, mount.host_path]
         args += ["--remount-ro", view]
-    return args
+    return tuple(args)
 
 
 def _step_egress(
