@@ -687,7 +687,7 @@ class _Connection:
                 if not _connected_at_once(sock, (str(address), port)):
                     timeout_s = min(self._params.limits.connect_timeout_s, remaining)
                     async with asyncio.timeout(timeout_s):
-                        await self._loop.sock_connect(sock, (str(address), port))
+                        await _connect_done(self._loop, sock)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 connected = True
                 return sock, ""
@@ -739,8 +739,9 @@ class _Connection:
 def _connected_at_once(sock: socket.socket, address: tuple[str, int]) -> bool:
     """Start a non-blocking connect; whether it is complete already. To loopback (a sandbox's
     local service, a test's upstream) the handshake is usually done when connect() returns, and
-    one poll saves waiting a loop iteration for it. False: still in progress, and the loop's
-    sock_connect waits for it (a second connect() on the socket only reports the progress).
+    one poll saves waiting a loop iteration for it. False: still in progress (`_connect_done`
+    waits for it; connect() is not called again, which would fail with EISCONN if the
+    handshake completed in between).
 
     Raises:
         OSError: the connect failed (refused, unreachable, ...).
@@ -754,10 +755,37 @@ def _connected_at_once(sock: socket.socket, address: tuple[str, int]) -> bool:
     poller.register(sock, select.POLLOUT)
     if not poller.poll(0):
         return False
+    _raise_socket_error(sock)
+    return True
+
+
+async def _connect_done(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
+    """Wait until a connect in progress has ended (the socket is writable), as the loop's
+    sock_connect does after its own connect().
+
+    Raises:
+        OSError: the connect failed (refused, unreachable, ...).
+    """
+    writable: asyncio.Future[None] = loop.create_future()
+
+    def ready() -> None:
+        if not writable.done():
+            writable.set_result(None)
+
+    fd = sock.fileno()
+    loop.add_writer(fd, ready)
+    try:
+        await writable
+    finally:
+        loop.remove_writer(fd)
+    _raise_socket_error(sock)
+
+
+def _raise_socket_error(sock: socket.socket) -> None:
+    """Raise the error a finished non-blocking connect left on the socket, if any."""
     error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
     if error:
         raise OSError(error, os.strerror(error))
-    return True
 
 
 def _suggest(params: ProxyParams, host: str) -> str | None:
