@@ -1,6 +1,7 @@
 """The driver's dial when a connect is still in progress as connect() returns (to another host;
 never on loopback here, so the tests make the first look report it as in progress): the loop
-waits for it, and its failure is the upstream's, as when it fails at once."""
+waits for it, and its failure is the upstream's, as when it fails at once. The cases are
+test_egress_driver's own, run again with every dial going that way."""
 
 from __future__ import annotations
 
@@ -9,16 +10,10 @@ import socket
 
 import pytest
 from test_egress_driver import (
-    close,
-    closed_port,
-    connect_request,
-    echo,
-    exchange,
-    http_connect,
-    payload,
-    refused_reply,
-    session,
-    upstream,
+    test_a_refused_upstream_gives_502_and_socks_5 as refused_upstream_case,
+)
+from test_egress_driver import (
+    test_connect_to_an_allowed_name_relays_5_mib_both_ways_exactly as relay_case,
 )
 
 from cc_server.egress import driver
@@ -42,27 +37,12 @@ def connects_in_progress(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int
 async def test_a_connect_in_progress_is_awaited_and_relays(
     connects_in_progress: list[tuple[str, int]],
 ) -> None:
-    data = payload(256 * 1024)
-    async with session() as s, upstream(echo) as port:
-        reader, writer, _ = await http_connect(s.proxies.http_port, f"allowed.test:{port}")
-        try:
-            assert await exchange(reader, writer, data) == data
-        finally:
-            await close(writer)
-    assert connects_in_progress == [("127.0.0.1", port)]
-    assert s.refusals == []
+    await relay_case()
+    assert len(connects_in_progress) == 1
 
 
-async def test_a_connect_refused_while_in_progress_is_a_502(
+async def test_a_connect_refused_while_in_progress_is_a_502_and_socks_5(
     connects_in_progress: list[tuple[str, int]],
 ) -> None:
-    with closed_port() as closed:
-        port = closed.getsockname()[1]
-        async with session() as s:
-            response = await refused_reply(
-                s.proxies.http_port, connect_request(f"allowed.test:{port}")
-            )
-    assert response.startswith(b"HTTP/1.1 502 ")
-    assert b"refused" in response
-    assert connects_in_progress == [("127.0.0.1", port)]
-    assert s.refusals == []
+    await refused_upstream_case()
+    assert len(connects_in_progress) == 2  # the HTTP proxy's dial and the SOCKS5 proxy's
