@@ -250,7 +250,13 @@ class AgentLink:
                                    fix="destroy the sandbox; see the VM's console log"))
         except ConnectionError as exc:
             log.warning("microvm agent connection broke: %s", exc)
-        # EOF: QEMU closed the socket (it quit or is being replaced); the owner decides.
+        # EOF: QEMU closed the socket (it quit, or a restore's state did not load); nothing
+        # can answer a waiting request now. The commands' channels are the owner's to end.
+        gone = AgentGone("the VM's agent connection closed: QEMU exited",
+                         fix="see QEMU's log in the VM's directory")
+        for future in self._replies.values():
+            if not future.done():
+                future.set_exception(gone)
 
     def _broken(self, reason: AgentGone) -> None:
         writer, self._writer = self._writer, None

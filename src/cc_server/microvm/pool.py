@@ -37,6 +37,7 @@ from cc_server.microvm.vm import (
     Confinement,
     MachineConfig,
     Qemu,
+    QmpError,
     Share,
     confined_argv,
     qemu_argv,
@@ -47,7 +48,9 @@ __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 
 log = logging.getLogger("cc_server.microvm")
 BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
-TEMPLATE_FORMAT: Final = 4  # bump when the machine's device set changes
+# Bump when the machine's device set changes, or how a state is saved (5: saved running, so a
+# restore starts by itself).
+TEMPLATE_FORMAT: Final = 5
 KVM_DEVICE: Final = "/dev/kvm"
 
 
@@ -261,7 +264,6 @@ class VmPool:
                         fix="check the accelerator (cc-server probe) and the image",
                     ) from exc
                 await link.detach()
-                await qemu.execute("stop")
                 fd = os.open(work / "state.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
                 try:
                     await qemu.migrate_to(fd, ignore_shared=True)
@@ -335,10 +337,10 @@ class VmPool:
             await link.attach(run_dir / "agent.sock", alive=lambda: qemu.returncode is None)
             fd = os.open(state, os.O_RDONLY | os.O_CLOEXEC)
             try:
-                await qemu.migrate_from(fd, ignore_shared=ignore_shared)
+                await qemu.start_incoming(fd, ignore_shared=ignore_shared)
             finally:
                 os.close(fd)
-            await qemu.execute("cont")
+            # The guest runs once its state is in; the greeting waits in the socket until then.
             replies = await link.request_many([hello_request(), *then])
         except BaseException:
             await vm.stop()
@@ -352,7 +354,6 @@ class VmPool:
             EnforcementFailed: QEMU refused to save it (the VM keeps running).
         """
         await vm.link.detach()
-        await vm.qemu.execute("stop")
         fd = os.open(state, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
         try:
             await vm.qemu.migrate_to(fd, ignore_shared=False)
@@ -360,7 +361,8 @@ class VmPool:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
                 state.unlink()
-            await vm.qemu.execute("cont")
+            with contextlib.suppress(QmpError):  # a failed migration runs the VM again itself
+                await vm.qemu.execute("cont")
             await vm.link.attach(vm.run_dir / "agent.sock", alive=lambda: True)
             raise
         os.close(fd)

@@ -463,26 +463,10 @@ class Qemu:
             raise QmpError("QEMU's QMP connection is closed")
         return self.qmp
 
-    async def wait_status(self, wanted: str, timeout_s: float = QMP_COMMAND_TIMEOUT_S) -> None:
-        """Poll `query-status` until the VM reaches `wanted`.
-
-        Raises:
-            QmpError: it reached a failed state or took too long.
-        """
-        try:
-            async with asyncio.timeout(timeout_s):
-                while True:
-                    status = (await self.execute("query-status"))["status"]
-                    if status == wanted:
-                        return
-                    if status in ("internal-error", "shutdown", "guest-panicked"):
-                        raise QmpError(f"the VM is {status}: {self.stderr_tail()}")
-                    await asyncio.sleep(0.001)
-        except TimeoutError as exc:
-            raise QmpError(f"the VM did not reach {wanted!r} in {timeout_s} s") from exc
-
     async def migrate_to(self, fd: int, *, ignore_shared: bool) -> None:
-        """Write the stopped VM's state to `fd` (a file) and wait until done.
+        """Write the VM's state to `fd` (a file) and wait until done. The VM runs while its RAM is
+        copied and is stopped for the last pass (QEMU's live migration): the state records it
+        running, so a restore of it starts by itself (`start_incoming`).
 
         Raises:
             QmpError: the migration failed (a 9p share still mounted blocks it).
@@ -505,18 +489,20 @@ class Qemu:
         except TimeoutError as exc:
             raise QmpError(f"saving the VM took over {QMP_COMMAND_TIMEOUT_S} s") from exc
 
-    async def migrate_from(self, fd: int, *, ignore_shared: bool) -> None:
-        """Load a state file into a QEMU started with `-incoming defer`; it ends `paused`.
+    async def start_incoming(self, fd: int, *, ignore_shared: bool) -> None:
+        """Start loading a state file into a QEMU started with `-incoming defer`. A state saved
+        from a running VM (`migrate_to` never stops it first) runs as soon as it is loaded:
+        nothing here waits for the load, and no `cont` is needed; a load that fails ends QEMU,
+        which closes the agent's socket.
 
         Raises:
-            QmpError: the state does not fit this VM.
+            QmpError: QEMU refused to start the load.
         """
         await self._qmp().execute_many([
             ("migrate-set-capabilities", _ignore_shared(ignore_shared), None),
             ("getfd", {"fdname": "migration-in"}, fd),
             ("migrate-incoming", {"uri": "fd:migration-in"}, None),
         ])
-        await self.wait_status("paused")
 
     async def quit(self) -> None:
         """Ask QEMU to quit, then kill it if it lingers; killed too when cancelled. Idempotent."""
