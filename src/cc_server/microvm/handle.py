@@ -46,7 +46,7 @@ from cc_server.runtime.events import EventType, SandboxState
 from cc_server.runtime.execution import Execution
 from cc_server.runtime.handle import SandboxHandle
 
-__all__ = ["GUEST_ENV", "MicroVMHandle", "VmChild"]
+__all__ = ["GUEST_ENV", "MicroVMHandle", "NoHostPlanner", "VmChild"]
 
 log = logging.getLogger("cc_server.microvm")
 GUEST_HTTP_PROXY_PORT: Final = 3128  # the agent's loopback listeners (agent.c)
