@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from cc_server.policy import CompiledPolicy, Mount, PathRule
-from cc_server.policy.paths import is_within, relative_within
+from cc_server.policy.paths import ancestors, is_within, lexical, relative_within
 
 __all__ = [
     "GuestPath",
@@ -79,8 +79,9 @@ def map_guest_path(policy: CompiledPolicy, path: str) -> GuestPath:
 
 def rule_covering(rules: Iterable[PathRule], host_path: str) -> PathRule | None:
     """The first rule whose path is `host_path` or one of its ancestors."""
+    up = ancestors(host_path)  # one set lookup a rule: this runs for every path a tool checks
     for rule in rules:
-        if is_within(host_path, rule.path):
+        if lexical(rule.path) in up:
             return rule
     return None
 

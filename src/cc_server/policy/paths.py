@@ -18,8 +18,10 @@ __all__ = [
     "SECRET_DENY_READ",
     "STANDARD_DENY_CREATE_GLOBS",
     "SYSTEM_DENY_READ",
+    "ancestors",
     "first_exposure",
     "is_within",
+    "lexical",
     "relative_within",
 ]
 
@@ -154,8 +156,25 @@ _LEXICAL: set[str] = set()
 MAX_LEXICAL_REMEMBERED: Final = 4096  # a bound, as agents' paths pass here too
 
 
+def lexical(path: str) -> str:
+    """`path` with `.` and `..` components, doubled and trailing slashes taken out (lexically,
+    like `posixpath.normpath`, but one leading slash for two)."""
+    return _lexical(path)
+
+
+def ancestors(path: str) -> frozenset[str]:
+    """The lexical `path` and every directory above it: `lexical(root) in ancestors(path)` is
+    `is_within(path, root)` for an absolute root, one set lookup a root (for many roots)."""
+    path = _lexical(path)
+    found = {path}
+    while "/" in path and path != "/":
+        path = path.rsplit("/", 1)[0] or "/"
+        found.add(path)
+    return frozenset(found)
+
+
 def _lexical(path: str) -> str:
-    """`path` with `.` and `..` components, doubled and trailing slashes taken out."""
+    """See `lexical`."""
     if ("/." in path or "//" in path or path.endswith("/")) and path not in _LEXICAL:
         return _normalise(path)
     return path  # no component to normalise: the common case, kept cheap

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from cc_server.policy.paths import first_exposure, is_within, relative_within
+from cc_server.policy.paths import ancestors, first_exposure, is_within, lexical, relative_within
 
 COMPONENT = st.sampled_from(["", ".", "..", "a", "b", "bc", "a.b", ".git", "..a"])
 ABSOLUTE = st.builds(
@@ -42,6 +42,17 @@ def test_within_is_a_prefix_of_the_walked_components(path: str, root: str) -> No
     inside = p[: len(r)] == r
     assert is_within(path, root) is inside
     assert relative_within(path, root) == ("/".join(p[len(r) :]) if inside else None)
+
+
+@settings(max_examples=400, database=None, deadline=None)
+@given(ABSOLUTE, ABSOLUTE)
+@example("/a/bc", "/a/b")
+@example("/a/b/../c", "/a/b")
+@example("/x", "/")
+def test_a_root_among_the_ancestors_is_within(path: str, root: str) -> None:
+    """The set form the rule lookups use answers as `is_within` does."""
+    assert (lexical(root) in ancestors(path)) is is_within(path, root)
+    assert lexical(path) == ("/" + "/".join(components(path)))
 
 
 @pytest.mark.parametrize(
