@@ -1,11 +1,20 @@
-"""The exec WebSockets' frames: each output chunk decoded once, with the shape `to_json` gives."""
+"""The exec WebSockets' frames: each output chunk decoded once, with the shape `to_json` gives;
+a session stream's command that fails unexpectedly ends as an error frame, not the stream."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any, cast
+
+import msgspec
 import pytest
 
-from cc_server.runtime.events import EventType, SandboxEvent
-from cc_server.server.exec_api import _TextStreams
+from cc_server.runtime.events import EventType, SandboxEvent, SandboxState
+from cc_server.server.exec_api import _SessionStream, _TextStreams
+from cc_server.server.models import ExecRequest
 
 
 @pytest.mark.parametrize(
@@ -36,3 +45,36 @@ def test_a_split_character_comes_whole_with_the_next_chunk_and_a_cut_one_before_
         {"type": "stdout", "sessionId": "s", "execId": "s:1", "data": "\ufffd"},
         exit_event.to_json(),
     ]
+
+
+class _FaultyHandle:
+    """A sandbox whose every exec fails with an error no route expects (a host fault)."""
+
+    session_id = "s"
+    state = SandboxState.WARM
+
+    @contextlib.asynccontextmanager
+    async def open_exec(self, *_args: Any, **_kwargs: Any) -> AsyncIterator[Any]:
+        raise OSError("the host said no")
+        yield  # an async generator: the context manager's shape
+
+
+class _Frames:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send_frame(self, data: bytes, _opcode: Any) -> None:
+        self.sent.append(msgspec.json.decode(data))
+
+
+async def test_a_command_that_fails_unexpectedly_is_an_error_frame_not_the_streams_end() -> None:
+    handle = _FaultyHandle()
+    state = SimpleNamespace(manager=SimpleNamespace(handles={"s": handle}), shutting_down=False)
+    ws = _Frames()
+    stream = _SessionStream(cast(Any, ws), cast(Any, state), cast(Any, handle))
+    async with asyncio.TaskGroup() as tg:  # the stream's group: one failed command must not end it
+        stream._start("a", ExecRequest(argv=["true"]), tg)
+    assert [(f["type"], f["id"], f["status"], f["error"]) for f in ws.sent] == [
+        ("error", "a", 500, "InternalError")]
+    assert "OSError" in ws.sent[0]["message"]
+    assert stream._commands == {}  # the id is free again
