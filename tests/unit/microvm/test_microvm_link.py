@@ -94,3 +94,17 @@ async def test_frames_split_anywhere_still_decode(tmp_path: pathlib.Path) -> Non
             assert (await channel.frames.get()).payload == b"hello"
             assert (await channel.frames.get()).type is FrameType.EXIT
         assert link.connected
+
+
+async def test_a_closed_socket_fails_the_waiting_requests_at_once(tmp_path: pathlib.Path) -> None:
+    # QEMU closes the agent's socket when it exits (a restore's state that does not load):
+    # the greeting waiting behind the load fails now, not at the link's 30 s reply timeout.
+    async with attached(tmp_path) as (link, agent):
+        channel = link.open_exec()
+        waiting = asyncio.create_task(link.request(FrameType.HELLO, b"", FrameType.HELLO_OK, 0))
+        await asyncio.sleep(0)
+        agent.close()
+        async with asyncio.timeout(5):
+            with pytest.raises(AgentGone, match="QEMU exited"):
+                await waiting
+        assert channel.frames.empty()  # a command's channel is its owner's to end (resume)
