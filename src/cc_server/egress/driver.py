@@ -38,14 +38,13 @@ import errno
 import ipaddress
 import logging
 import os
-import select
 import socket
-import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal, TypeAlias
 
 from cc_server.backends.peer import PeerRule, ThisProcess, admit_async
+from cc_server.egress import sockets
 from cc_server.egress.addresses import IPAddress
 from cc_server.egress.guard import (
     NOTHING_DENIED,
@@ -102,9 +101,6 @@ Protocol: TypeAlias = Literal["http", "socks5"]
 
 HTTP_SOCKET_NAME: Final = "http.sock"
 SOCKS_SOCKET_NAME: Final = "socks.sock"
-# Pending connections per listener; a sandbox opens a few at a time, max_connections bounds the
-# rest.
-LISTEN_BACKLOG: Final = 128
 # One read from a client during the handshake. A request head is at most MAX_HEADER_BYTES
 # (16 KiB); a machine buffers its limit plus one read.
 HANDSHAKE_READ_BYTES: Final = 16 * 1024
@@ -115,8 +111,6 @@ REFUSAL_GRACE_S: Final = 1.0
 REFUSAL_DRAIN_BYTES: Final = 256 * 1024
 # accept() failed (out of descriptors): wait this long before trying again, instead of spinning.
 ACCEPT_BACKOFF_S: Final = 0.1
-# sun_path is 108 bytes on Linux, including the terminating NUL.
-MAX_UNIX_PATH_BYTES: Final = 107
 
 _UNREACHABLE_ERRNOS: Final = frozenset(
     {errno.ENETUNREACH, errno.EHOSTUNREACH, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.ENETDOWN}
@@ -501,7 +495,7 @@ class SessionProxies:
         for listener in self._listeners:
             listener.sock.close()
             if listener.identity is not None:
-                _remove_socket_file(listener.where, listener.identity)
+                sockets.remove_socket_file(listener.where, listener.identity)
 
 
 class _Connection:
@@ -684,10 +678,10 @@ class _Connection:
             connected = False
             try:
                 sock.setblocking(False)
-                if not _connected_at_once(sock, (str(address), port)):
+                if not sockets.connected_at_once(sock, (str(address), port)):
                     timeout_s = min(self._params.limits.connect_timeout_s, remaining)
                     async with asyncio.timeout(timeout_s):
-                        await _connect_done(self._loop, sock)
+                        await sockets.connect_done(self._loop, sock)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 connected = True
                 return sock, ""
@@ -736,58 +730,6 @@ class _Connection:
         return how_to_allow
 
 
-def _connected_at_once(sock: socket.socket, address: tuple[str, int]) -> bool:
-    """Start a non-blocking connect; whether it is complete already. To loopback (a sandbox's
-    local service, a test's upstream) the handshake is usually done when connect() returns, and
-    one poll saves waiting a loop iteration for it. False: still in progress (`_connect_done`
-    waits for it; connect() is not called again, which would fail with EISCONN if the
-    handshake completed in between).
-
-    Raises:
-        OSError: the connect failed (refused, unreachable, ...).
-    """
-    try:
-        sock.connect(address)
-        return True
-    except (BlockingIOError, InterruptedError):
-        pass
-    poller = select.poll()
-    poller.register(sock, select.POLLOUT)
-    if not poller.poll(0):
-        return False
-    _raise_socket_error(sock)
-    return True
-
-
-async def _connect_done(loop: asyncio.AbstractEventLoop, sock: socket.socket) -> None:
-    """Wait until a connect in progress has ended (the socket is writable), as the loop's
-    sock_connect does after its own connect().
-
-    Raises:
-        OSError: the connect failed (refused, unreachable, ...).
-    """
-    writable: asyncio.Future[None] = loop.create_future()
-
-    def ready() -> None:
-        if not writable.done():
-            writable.set_result(None)
-
-    fd = sock.fileno()
-    loop.add_writer(fd, ready)
-    try:
-        await writable
-    finally:
-        loop.remove_writer(fd)
-    _raise_socket_error(sock)
-
-
-def _raise_socket_error(sock: socket.socket) -> None:
-    """Raise the error a finished non-blocking connect left on the socket, if any."""
-    error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-    if error:
-        raise OSError(error, os.strerror(error))
-
-
 def _suggest(params: ProxyParams, host: str) -> str | None:
     try:
         return params.suggest(host)
@@ -812,20 +754,20 @@ async def start_session_proxies(params: ProxyParams) -> SessionProxies:
         if not params.listen_tcp and params.socket_dir is None:
             raise EnforcementFailed("egress proxies with neither TCP nor Unix listeners")
         for protocol, _ in kinds if params.listen_tcp else ():
-            listeners.append(_Listener(_bind_tcp(), protocol, "tcp", None))
+            listeners.append(_Listener(sockets.bind_tcp(), protocol, "tcp", None))
         if params.socket_dir is not None:
             directory = params.socket_dir
-            _check_socket_dir(directory)
+            sockets.check_socket_dir(directory)
             for protocol, name in kinds:
                 path = os.path.join(directory, name)
-                sock, identity = _bind_unix(path)
+                sock, identity = sockets.bind_unix(path)
                 listeners.append(_Listener(sock, protocol, path, identity))
         return SessionProxies(params, listeners)
     except BaseException:
         for listener in listeners:
             listener.sock.close()
             if listener.identity is not None:
-                _remove_socket_file(listener.where, listener.identity)
+                sockets.remove_socket_file(listener.where, listener.identity)
         raise
 
 
@@ -842,80 +784,3 @@ async def open_session_proxies(params: ProxyParams) -> AsyncIterator[SessionProx
         yield proxies
     finally:
         await proxies.aclose()
-
-
-def _bind_tcp() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.bind(("127.0.0.1", 0))
-        sock.listen(LISTEN_BACKLOG)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise EnforcementFailed(f"cannot listen on 127.0.0.1 for the egress proxy: {exc}") from exc
-    return sock
-
-
-def _check_socket_dir(directory: str) -> None:
-    """The bridge directory must be a real directory, ours, and closed to everyone else."""
-    try:
-        info = os.lstat(directory)
-    except OSError as exc:
-        raise EnforcementFailed(
-            f"egress socket directory {directory} is not usable: {exc}",
-            fix="create it with mode 0700 before starting the proxies",
-        ) from exc
-    if not stat.S_ISDIR(info.st_mode):
-        raise EnforcementFailed(
-            f"egress socket directory {directory} is not a directory (or is a symlink)"
-        )
-    if info.st_uid != os.geteuid():
-        raise EnforcementFailed(
-            f"egress socket directory {directory} belongs to uid {info.st_uid}, "
-            f"not to this process (uid {os.geteuid()})"
-        )
-    mode = stat.S_IMODE(info.st_mode)
-    if mode != 0o700:
-        raise EnforcementFailed(
-            f"egress socket directory {directory} has mode {mode:04o}, not 0700",
-            fix=f"chmod 0700 {directory}",
-        )
-
-
-def _bind_unix(path: str) -> tuple[socket.socket, tuple[int, int]]:
-    """Listen on a new Unix socket at `path`, mode 0600; return it and its file's identity."""
-    if len(os.fsencode(path)) > MAX_UNIX_PATH_BYTES:
-        raise EnforcementFailed(
-            f"egress socket path {path} is longer than {MAX_UNIX_PATH_BYTES} bytes",
-            fix="use a shorter socket directory",
-        )
-    if os.path.lexists(path):
-        raise EnforcementFailed(
-            f"egress socket {path} exists already",
-            fix="remove what a previous server left there, or use a new directory",
-        )
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        # The umask is the process's, so this is the one place it changes: bind() creates the
-        # file 0600 from the start (the directory is 0700 as well, so nobody else could reach
-        # the file in between anyway).
-        old_umask = os.umask(0o177)
-        try:
-            sock.bind(path)
-        finally:
-            os.umask(old_umask)
-        info = os.lstat(path)
-        sock.listen(LISTEN_BACKLOG)
-        sock.setblocking(False)
-    except OSError as exc:
-        sock.close()
-        raise EnforcementFailed(f"cannot listen on {path} for the egress proxy: {exc}") from exc
-    return sock, (info.st_dev, info.st_ino)
-
-
-def _remove_socket_file(path: str, identity: tuple[int, int]) -> None:
-    """Remove the socket file we created, and nothing that has replaced it since."""
-    with contextlib.suppress(OSError):
-        info = os.lstat(path)
-        if (info.st_dev, info.st_ino) == identity:
-            os.unlink(path)

@@ -16,7 +16,7 @@ from test_egress_driver import (
     test_connect_to_an_allowed_name_relays_5_mib_both_ways_exactly as relay_case,
 )
 
-from cc_server.egress import driver
+from cc_server.egress import sockets
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def connects_in_progress(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, int
             sock.connect(address)
         return False
 
-    monkeypatch.setattr(driver, "_connected_at_once", in_progress)
+    monkeypatch.setattr(sockets, "connected_at_once", in_progress)
     return started
 
 
