@@ -32,6 +32,7 @@ from escape_kit import Sandboxes, run_attack
 from server_kit import Server, host_pids_with, kill_marked, running_server, wait_until_gone
 from write_kit import tree_state
 
+import cc_server
 from cc_server.egress.guard import (
     Allowed,
     Refused,
@@ -48,6 +49,7 @@ pytestmark = pytest.mark.integration
 CLI_TIMEOUT_S = 60.0  # hang guard for a run that takes well under a second
 PROMPT_S = 10.0
 PYTHON_CLIENT = (sys.executable, "-m", "cc_server.cli_client")
+PACKAGE = pathlib.Path(cc_server.__file__).parent
 
 
 def wait_for(predicate: object, timeout: float = PROMPT_S) -> bool:
@@ -325,6 +327,76 @@ def test_state_of_a_run_does_not_reach_the_next_through_the_spare(
 def _session_dirs(runtime: pathlib.Path, pid: int) -> list[str]:
     base = runtime / "cc-server"
     return sorted(p.name for p in base.iterdir() if p.name.startswith(f"egress-{pid}-"))
+
+
+def test_write_protection_chosen_when_the_daemon_started_is_not_the_next_clients(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
+) -> None:
+    """The daemon started by a client that turned write-time protection off: a later client that
+    did not is protected as in its own process."""
+    weak = {**env, "CC_SERVER_WRITE_PROTECTION": "launch-time"}
+    first = client("run", "--", "true", env=weak, cwd=work)
+    assert first.returncode == 0, first.stderr
+    assert daemon_pids(runtime)
+    script = "echo '{}' > .mcp.json && echo wrote || echo refused"
+    for run_env in (env, {**env, "CC_SERVER_DAEMON": "off"}):
+        done = client("run", "--bind", str(work), "--", "sh", "-c", script, env=run_env, cwd=work)
+        assert done.stdout == "refused\n", (done.stdout, done.stderr)
+        assert not (work / ".mcp.json").exists()
+
+
+@pytest.fixture(scope="module")
+def c_client(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The C client, built as scripts/bootstrap builds it, for this package."""
+    out = tmp_path_factory.mktemp("c-client") / "cc-server"
+    source = PACKAGE / "backends" / "native" / "client.c"
+    subprocess.run(
+        ["gcc", "-O2", f'-DCC_PACKAGE="{PACKAGE}"', f'-DCC_PYTHON="{sys.executable}"',
+         "-o", str(out), str(source)],
+        check=True, capture_output=True, timeout=CLI_TIMEOUT_S,
+    )  # fmt: skip
+    return str(out)
+
+
+def test_a_daemon_killed_mid_run_leaves_the_c_client_failed_and_the_command_run_once(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path, c_client: str
+) -> None:
+    served_daemon(env, runtime, work)
+    [pid] = daemon_pids(runtime)
+    marker = unique_duration()
+    proc = subprocess.Popen(
+        [c_client, "run", "--bind", str(work), "--", "sh", "-c",
+         f"echo ran >> {work}/count; exec sleep {marker}"],
+        env=env, cwd=work, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert wait_for(lambda: host_pids_with(f"sleep\x00{marker}"))
+        os.kill(pid, signal.SIGKILL)
+        _, err = proc.communicate(timeout=CLI_TIMEOUT_S)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 125 and "went away" in err, (proc.returncode, err)
+    assert wait_for(lambda: not host_pids_with(f"sleep\x00{marker}"))
+    assert (work / "count").read_text() == "ran\n"  # not run again in another process
+
+
+def test_the_c_client_does_not_use_a_runtime_directory_that_is_not_private(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path, c_client: str
+) -> None:
+    served_daemon(env, runtime, work)
+    (runtime / "cc-server").chmod(0o755)
+    try:
+        done = subprocess.run(
+            [c_client, "run", "--bind", str(work), "--", "touch", str(work / "ran")],
+            env=env, cwd=work, stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=CLI_TIMEOUT_S, check=False,
+        )  # fmt: skip
+    finally:
+        (runtime / "cc-server").chmod(0o700)
+    assert done.returncode != 0 and "EnforcementFailed" in done.stderr, done
+    assert not (work / "ran").exists()
 
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
