@@ -48,9 +48,9 @@ __all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
 
 log = logging.getLogger("cc_server.microvm")
 BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
-# Bump when the machine's device set changes, or how a state is saved (5: saved running, so a
-# restore starts by itself).
-TEMPLATE_FORMAT: Final = 5
+# Bump when the machine's device set or CPU model changes, or how a state is saved (5: saved
+# running, so a restore starts by itself; 6: TCG's CPU without ERMS and FSRM).
+TEMPLATE_FORMAT: Final = 6
 KVM_DEVICE: Final = "/dev/kvm"
 
 

@@ -110,3 +110,8 @@ def test_the_agent_channel_falls_back_to_virtio_serial_without_vhost_vsock() -> 
     verdict = MicroVMProbe(available=True, accel="tcg", reason="r", channel=missing)
     assert verdict.to_json()["agentChannel"] == "virtio-serial"
     assert MicroVMProbe(available=False, accel=None, reason="r").to_json()["agentChannel"] is None
+
+
+def test_a_tcg_guest_copies_memory_without_byte_wise_string_instructions() -> None:
+    assert MachineConfig(accel="tcg").cpu == "max,-erms,-fsrm"
+    assert MachineConfig(accel="kvm").cpu == "host"
