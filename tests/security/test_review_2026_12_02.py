@@ -602,6 +602,7 @@ async def test_closing_before_the_commands_started_leaves_no_process(
 
 GIT_ENV = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "GIT_CONFIG_NOSYSTEM": "1"}
 EXCL = "os.O_CREAT | os.O_EXCL | os.O_WRONLY"
+DEEP = 24  # directories of 200-byte names: 4800 bytes of path, past PATH_MAX
 
 
 def _repo(wt: pathlib.Path) -> None:
@@ -690,6 +691,24 @@ FAST_PATH_ATTACKS: dict[str, str] = {
         "print('MOVES', len(moves), 'MADE', made)\n"
         "print('WRITES=' + repr(writes))"
     ),
+    # A start directory whose path is longer than PATH_MAX: its path cannot be read whole.
+    # A start directory whose path is longer than PATH_MAX (made by the host): its path cannot
+    # be read whole.
+    "start-directory-past-path-max": (
+        "writes, depth = [], 0\n"
+        "os.chdir('plain')\n"
+        "while os.path.isdir('d' * 200):\n"
+        "    os.chdir('d' * 200)\n"
+        "    depth += 1\n"
+        "print('DEPTH', depth)\n"
+        "for flags in (os.O_CREAT | os.O_EXCL | os.O_WRONLY, os.O_CREAT | os.O_WRONLY):\n"
+        "    for dirfd in (None, os.open('.', os.O_PATH | os.O_DIRECTORY)):\n"
+        "        try:\n"
+        "            os.close(os.open('.mcp.json', flags, 0o644, dir_fd=dirfd))\n"
+        "            writes.append((flags, dirfd))\n"
+        "        except OSError:\n            pass\n"
+        "print('WRITES=' + repr(writes))"
+    ),
 }  # fmt: skip
 
 
@@ -702,15 +721,27 @@ async def test_the_open_fast_path_gives_no_protected_file(
     if name == "start-directory-renamed-meanwhile":
         shutil.rmtree(wt / "repoA" / ".git" / "hooks")
     before = tree_state(wt)
+    if name == "start-directory-past-path-max":
+        fd = os.open(wt / "plain", os.O_RDONLY | os.O_DIRECTORY)
+        for _ in range(DEEP):  # by descriptor: the path is past PATH_MAX
+            os.mkdir("d" * 200, dir_fd=fd)
+            deeper = os.open("d" * 200, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = deeper
+        os.close(fd)
     config = (wt / "repoA" / ".git" / "config").read_bytes()
     _, out = await run_attack(sb, tmp_path, FAST_PATH_ATTACKS[name])
     assert "WRITES=[]" in out, out
+    assert name != "start-directory-past-path-max" or f"DEPTH {DEEP}" in out, out
     assert (wt / "repoA" / ".git" / "config").read_bytes() == config
-    after = tree_state(wt)
-    made = sorted(set(after) - set(before))
-    assert not [p for p in made if ".git" in p], made
     assert not (wt / "repoA" / ".git" / "hooks" / "pre-commit").exists()
-    assert not (wt / "plain" / ".mcp.json").exists()
+    # find walks by descriptor: paths past PATH_MAX too.
+    found = subprocess.run(["find", str(wt), "-name", ".mcp.json"], capture_output=True,
+                           text=True, check=True, timeout=CLI_TIMEOUT_S)  # fmt: skip
+    assert found.stdout == "", found.stdout
+    if name != "start-directory-past-path-max":  # tree_state reads by path
+        made = sorted(set(tree_state(wt)) - set(before))
+        assert not [p for p in made if ".git" in p], made
 
 
 # --- the egress guard ----------------------------------------------------------------------------
