@@ -873,3 +873,37 @@ def test_an_unresolvable_name_dials_nothing_and_is_no_allowance() -> None:
     answers = [ip_address(a) for a in ("93.184.216.34", "2606:2800::1", "93.184.216.34")]
     verdict = check_answers(GUARDED, resolve, answers)
     assert isinstance(verdict, Allowed) and verdict.addresses == tuple(answers[:2])
+
+
+async def test_no_head_of_any_kind_makes_a_repository_of_a_directory_with_a_config(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    """objects/, refs/, hooks/ and a config with core.fsmonitor made first (not a repository
+    yet), then HEAD as a file, a symlink git would follow, or a hard link of a repository's
+    HEAD: host git must not find a repository there."""
+    wt = sb.worktree
+    _repo(wt)
+    pwned = tmp_path / "pwned"
+    body = (
+        "got = {}\n"
+        "os.makedirs('p/objects'); os.makedirs('p/refs/heads'); os.makedirs('p/hooks')\n"
+        "open('p/config', 'w').write("
+        f"'[core]\\n\\trepositoryformatversion = 0\\n\\tfsmonitor = touch {pwned}\\n')\n"
+        "for what, make in (\n"
+        "        ('symlink', lambda: os.symlink('refs/heads/main', 'p/HEAD')),\n"
+        "        ('file', lambda: open('p/HEAD', 'w').write('ref: refs/heads/main\\n')),\n"
+        "        ('link', lambda: os.link('repoA/.git/HEAD', 'p/HEAD')),\n"
+        "        ('rename', lambda: (open('p/HEAD.new', 'w').write('ref: refs/heads/main\\n'),\n"
+        "                            os.rename('p/HEAD.new', 'p/HEAD')))):\n"
+        "    try:\n        make(); got[what] = 'MADE'\n"
+        "    except OSError as e:\n        got[what] = e.errno\n"
+        "print('GOT', sorted(got.items()))"
+    )
+    _, out = await run_attack(sb, tmp_path, body)
+    assert "GOT [" in out and "MADE" not in out, out
+    assert not (wt / "p" / "HEAD").exists() and not (wt / "p" / "HEAD").is_symlink()
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "GIT_CEILING_DIRECTORIES": str(wt)}
+    git = subprocess.run(["git", "-C", str(wt / "p"), "status"], capture_output=True,
+                         text=True, env=env, check=False, timeout=CLI_TIMEOUT_S)  # fmt: skip
+    assert git.returncode != 0 and "not a git repository" in git.stderr, git
+    assert not pwned.exists()
