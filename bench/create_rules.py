@@ -33,7 +33,9 @@ what is measured here. Everything is removed at the end.
 Usage: .venv/bin/python bench/create_rules.py [--files N] [--rounds N] [--dir DIR] [--library SO]
 
 --library runs the supervisor from another build of the library (to measure a change before
-scripts/bootstrap installs it); the launcher stays the probe's.
+scripts/bootstrap installs it, or against an older build): one .so from all of
+src/cc_server/backends/native/supervisor*.c, with the flags of scripts/bootstrap's line
+(-fvisibility=hidden among them); the launcher stays the probe's.
 """
 
 from __future__ import annotations

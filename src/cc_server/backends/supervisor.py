@@ -20,11 +20,12 @@ This module adds that, with seccomp user notification (`SECCOMP_RET_USER_NOTIF`)
   listener to the server over an inherited socket, closes it, and execs the command. As the
   sandbox's PID 1 (bwrap --as-pid-1) it stays on as the reaper, so no process inside lacks the
   filter.
-- `native/supervisor.c` (a shared library, loaded here with ctypes) answers the notifications
-  from worker threads inside the server, never from Python and never with "continue": it
-  resolves each path itself in the trapping thread's view, creates what is allowed on pinned
-  parent fds, hands opened files back with SECCOMP_IOCTL_NOTIF_ADDFD, and refuses a matching
-  name with EACCES. Its module comment lists every step.
+- `native/supervisor*.c` (one shared library, loaded here with ctypes; `supervisor.h` maps its
+  files) answers the notifications from worker threads inside the server, never from Python and
+  never with "continue": it resolves each path itself in the trapping thread's view, creates
+  what is allowed on pinned parent fds, hands opened files back with SECCOMP_IOCTL_NOTIF_ADDFD,
+  and refuses a matching name with EACCES. The module comment of `supervisor.c` lists every
+  step.
 
 Why compiled, and why these two pieces: the Python spike cost ~110 µs per create; the C workers
 spend ~10 µs of CPU per create before the answer (plus the create itself), have no GIL to share
@@ -99,7 +100,7 @@ SELFTEST_TIMEOUT_S: Final = 10.0  # one fork and one notification; milliseconds 
 LISTENER_TIMEOUT_S: Final = 10.0  # from spawning bwrap to the launcher's listener arriving
 # Worker threads per sandboxed command. The first takes every call while one task at a time
 # makes them: an open is answered with the task kept on that worker's CPU (hold_here in
-# native/supervisor.c), so the worker is back before the task's next call, and a second worker
+# native/supervisor_cpu.c), so the worker is back before the task's next call, and a second worker
 # polling too would only be woken with it for every call (tar x of 10,000 files on tmpfs, 2 vCPUs:
 # ~24 us added per create with the second on standby, ~38 with both polling). When calls of two
 # tasks overlap, the second joins for a while and no task is held to a CPU: two tar x at once
@@ -134,7 +135,7 @@ STATE_SYSCALLS: Final[tuple[str, ...]] = (
     "setfsuid", "setfsgid", "setgroups", "execve", "execveat",
 )  # fmt: skip
 # Trapped so that a task the supervisor holds to one CPU for a run of opens (see hold_here
-# in native/supervisor.c) gets its own affinity back before anything can inherit or read it:
+# in native/supervisor_cpu.c) gets its own affinity back before anything can inherit or read it:
 # a new thread or process, or the task's affinity asked or set. Let run once that is done.
 PIN_SYSCALLS: Final[tuple[str, ...]] = (
     "clone", "clone3", "fork", "vfork", "sched_setaffinity", "sched_getaffinity",
