@@ -826,6 +826,8 @@ def test_the_deny_list_wins_in_every_spelling_and_in_ask_mode() -> None:
             "2002:808:808::1",
             "0x8.8.8.8",
             "134744072",
+            "8.8.8.8.",
+            "\uff10x8.8.8.8",
         ):
             verdict = check_target(GUARDED, host, 443, ask=ask)
             assert isinstance(verdict, Refused) and verdict.entry is None, (host, verdict)
