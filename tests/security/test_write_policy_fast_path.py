@@ -150,3 +150,91 @@ async def test_an_exclusive_create_never_opens_a_kernel_object_or_the_terminal(
     assert "'/proc/1/mem', 17" in out and "'dirfd:ip_forward', 17" in out, out
     assert _ip_forward() == forward
     assert not [v for v in handle.violations if v.action.startswith("file-")], out
+
+
+# The supervisor keeps a thread's cwd and root between its calls, and drops them at every chdir,
+# fchdir (and the calls the sandbox's own filter refuses first). name -> body whose last create
+# is relative to a cwd that changed after the cwd was kept; it must be judged in the new one.
+CWD_CHANGED: dict[str, str] = {
+    "chdir": (
+        f"os.close(os.open('s_warm', {EXCL}))\n"  # the worktree kept as the cwd
+        "os.chdir('repoA/.git/hooks')\n"
+        f"os.open('pre-commit', {EXCL}, 0o755)"
+    ),
+    "fchdir": (
+        f"os.close(os.open('s_warm', {EXCL}))\n"
+        "os.fchdir(os.open('repoA/.git/hooks', os.O_RDONLY | os.O_DIRECTORY))\n"
+        f"os.open('pre-commit', {EXCL}, 0o755)"
+    ),
+    "chdir-by-another-thread": (  # threads share their cwd
+        "import threading\n"
+        f"os.close(os.open('s_warm', {EXCL}))\n"
+        "t = threading.Thread(target=os.chdir, args=('repoA/.git/hooks',))\n"
+        "t.start(); t.join()\n"
+        "os.open('pre-commit', os.O_CREAT | os.O_WRONLY, 0o755)"
+    ),
+    "chdir-by-a-thread-that-then-waits": (  # no further call of that thread retires it
+        "import threading\n"
+        "done, go = threading.Event(), threading.Event()\n"
+        "def hop():\n    os.chdir('repoA/.git/hooks'); done.set(); go.wait()\n"
+        f"os.close(os.open('s_warm', {EXCL}))\n"
+        "t = threading.Thread(target=hop); t.start(); done.wait()\n"
+        f"try:\n    os.open('pre-commit', {EXCL}, 0o755)\nfinally:\n    go.set(); t.join()"
+    ),
+    "many-chdirs": (
+        "for i in range(40):\n"
+        "    os.chdir('/' if i % 2 else os.environ['WT'])\n"
+        f"    os.close(os.open(os.environ['WT'] + f'/s_{{i}}', {EXCL}))\n"
+        "os.chdir(os.environ['WT'] + '/repoA/.git/hooks')\n"
+        f"os.open('pre-commit', {EXCL}, 0o755)"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(CWD_CHANGED))
+async def test_a_create_after_the_cwd_changed_is_judged_in_the_new_cwd(
+    sb: Sandboxes, tmp_path: pathlib.Path, name: str
+) -> None:
+    wt = sb.worktree
+    _plant(wt)
+    before = tree_state(wt)
+    body = f"os.environ['WT'] = {str(wt)!r}\n" + CWD_CHANGED[name]
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=refused [Errno 13]" in out, out
+    made = {k for k in tree_state(wt) if k not in before}
+    assert {k for k in made if not k.startswith("s_")} == set(), out  # no pre-commit anywhere
+    assert refusals(handle) == [("file-write-create", f"{wt}/{NEW_HOOK}")], out
+
+
+async def test_creates_follow_each_cwd_of_a_process_and_its_child(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # Ordinary work: relative creates land in the cwd each was made in, with chdirs between
+    # them in the process, a thread and a forked child (whose chdir is its own).
+    wt = sb.worktree
+    _plant(wt)
+    body = (
+        "import threading\n"
+        "os.makedirs('s_d/a'); os.makedirs('s_d/b')\n"
+        "for i in range(30):\n"
+        "    os.chdir('s_d/a' if i % 2 else 's_d/b')\n"
+        f"    os.close(os.open(f'f{{i}}', {EXCL}))\n"
+        "    os.chdir('../..')\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        f"    os.chdir('s_d/a'); os.close(os.open('child', {EXCL})); os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        f"os.close(os.open('parent', {EXCL}))\n"
+        "t = threading.Thread(target=os.chdir, args=('s_d/b',)); t.start(); t.join()\n"
+        f"os.close(os.open('after-thread', {EXCL}))\n"
+        "os.chdir('/')\n"
+        f"os.close(os.open(os.environ['WT'] + '/s_d/absolute', {EXCL}))"
+    )
+    handle, out = await run_attack(sb, tmp_path, f"os.environ['WT'] = {str(wt)!r}\n" + body)
+    assert "RESULT=done" in out, out
+    a = {p.name for p in (wt / "s_d" / "a").iterdir()}
+    b = {p.name for p in (wt / "s_d" / "b").iterdir()}
+    assert a == {f"f{i}" for i in range(1, 30, 2)} | {"child"}, out
+    assert b == {f"f{i}" for i in range(0, 30, 2)} | {"after-thread"}, out
+    assert (wt / "parent").is_file() and (wt / "s_d" / "absolute").is_file(), out
+    assert refusals(handle) == [], out

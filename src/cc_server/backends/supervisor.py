@@ -68,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ABI_VERSION",
+    "FS_SYSCALLS",
     "GUEST_LAUNCHER",
     "LAUNCHER_NAME",
     "LIBRARY_NAME",
@@ -91,7 +92,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("cc_server.backends.supervisor")
-ABI_VERSION: Final = 9  # must equal CCS_ABI_VERSION in native/supervisor.c
+ABI_VERSION: Final = 10  # must equal CCS_ABI_VERSION in native/supervisor.c
 NATIVE_DIR: Final = Path(__file__).resolve().parent / "native"
 LAUNCHER_NAME: Final = "cc-create-launcher"
 LIBRARY_NAME: Final = "libcc-create-supervisor.so"
@@ -133,6 +134,12 @@ TRAPPED_SYSCALLS: Final[tuple[tuple[str, str], ...]] = (
 STATE_SYSCALLS: Final[tuple[str, ...]] = (
     "umask", "setuid", "setgid", "setreuid", "setregid", "setresuid", "setresgid",
     "setfsuid", "setfsgid", "setgroups", "execve", "execveat",
+)  # fmt: skip
+# Trapped so the supervisor can keep a thread's cwd and root between its calls: the only calls
+# that change them (the sandbox's own filter refuses all but chdir and fchdir before they get
+# here). Let run once noted.
+FS_SYSCALLS: Final[tuple[str, ...]] = (
+    "chdir", "fchdir", "chroot", "pivot_root", "setns", "unshare",
 )  # fmt: skip
 # Trapped so that a task the supervisor holds to one CPU for a run of opens (see hold_here
 # in native/supervisor_cpu.c) gets its own affinity back before anything can inherit or read it:
@@ -191,7 +198,7 @@ def notify_filter_bpf(*, writes: bool = False) -> bytes:
     flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, os.O_CREAT, os.O_CREAT))
     for name, _reason in TRAPPED_SYSCALLS:
         flt.add_rule(sc.NOTIFY, name)
-    for name in (*STATE_SYSCALLS, *PIN_SYSCALLS):
+    for name in (*STATE_SYSCALLS, *FS_SYSCALLS, *PIN_SYSCALLS):
         flt.add_rule(sc.NOTIFY, name)
     if writes:
         for flag in WRITE_OPEN_FLAGS:

@@ -47,7 +47,7 @@
  */
 #include "supervisor.h"
 
-#define CCS_ABI_VERSION 9
+#define CCS_ABI_VERSION 10
 
 /* The thread-locals several files share (declared, and explained, in supervisor.h). */
 __thread cpu_set_t worker_cpus;
@@ -71,6 +71,19 @@ static bool is_pin_point(int nr) {
 #endif
     case SYS_sched_setaffinity:
     case SYS_sched_getaffinity: return true;
+    default: return false;
+    }
+}
+
+/* The calls that change a thread's cwd or root (see fs_change). */
+static bool is_fs_change(int nr) {
+    switch (nr) {
+    case SYS_chdir:
+    case SYS_fchdir:
+    case SYS_chroot:
+    case SYS_pivot_root:
+    case SYS_setns:
+    case SYS_unshare: return true;
     default: return false;
     }
 }
@@ -213,10 +226,12 @@ static void dispatch(struct req *q) {
 static void handle(struct ccs *s, struct seccomp_notif *n) {
     atomic_fetch_add(&s->handled, 1);
     struct req q = {.s = s, .n = n, .proc_fd = -1, .pidfd = -1, .root_fd = -1};
+    fs_retire(s, (pid_t)n->pid); /* its own earlier cwd or root change has run */
     judged[0] = '\0';
     q.sysname = syscall_name(n->data.nr);
     if (n->data.arch != NATIVE_ARCH || (X32_SYSCALL_BIT && (n->data.nr & X32_SYSCALL_BIT)) ||
-        (q.sysname == NULL && !is_state_change(n->data.nr) && !is_pin_point(n->data.nr))) {
+        (q.sysname == NULL && !is_state_change(n->data.nr) && !is_pin_point(n->data.nr) &&
+         !is_fs_change(n->data.nr))) {
         q.sysname = "?";
         report_error(&q, "", "undecodable notification: arch %#x nr %d", n->data.arch,
                      n->data.nr);
@@ -234,6 +249,10 @@ static void handle(struct ccs *s, struct seccomp_notif *n) {
     }
     if (is_state_change(n->data.nr)) {
         state_change(s, n);
+        return;
+    }
+    if (is_fs_change(n->data.nr)) {
+        fs_change(s, n);
         return;
     }
     int err = read_task_info(&q);
@@ -255,7 +274,8 @@ static void handle(struct ccs *s, struct seccomp_notif *n) {
         return;
     }
     dispatch(&q);
-    close_fd(&q.root_fd);
+    if (!q.root_borrowed)
+        close_fd(&q.root_fd);
 }
 
 /* --- threads ------------------------------------------------------------------------------- */
@@ -419,6 +439,9 @@ static void *worker(void *arg) {
 static void destroy(struct ccs *s) {
     for (int i = 0; i < atomic_load(&s->npending); i++)
         close(s->pending[i].status_fd);
+    for (int i = 0; i < atomic_load(&s->nfs_inflight); i++)
+        if (s->fs_inflight[i].pidfd >= 0)
+            close(s->fs_inflight[i].pidfd);
     if (s->stop_fd >= 0)
         close(s->stop_fd);
     if (s->proc_fd >= 0)

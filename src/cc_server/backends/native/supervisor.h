@@ -115,6 +115,7 @@
 #define STOP_RESCUE_MS 10         /* while stopping: how often waiting helpers are released */
 #define MAX_HELPERS 64            /* FIFO opens waiting at once; more are refused with EAGAIN */
 #define MAX_PENDING 32            /* state changes tracked at once; more turn the cache off */
+#define MAX_FS_INFLIGHT 32        /* cwd or root changes tracked at once; more turn that cache off */
 #define MAX_CONNECTS 64           /* connects the connector runs at once (launcher.c) */
 #define MAX_OWN_WORKTREES 64      /* .git/worktrees/<name> directories a sandbox made, tracked */
 #define MAX_PREFIXES 256          /* proper prefixes of the path patterns (prefix_hits) */
@@ -195,6 +196,18 @@ struct ccs {
         mode_t want; /* the umask it sets */
     } pending[MAX_PENDING];
     atomic_ullong cache_hits;
+    /* Calls that change a thread's cwd or root (chdir, fchdir; chroot, pivot_root, setns and
+     * unshare too, which the sandbox's own filter refuses before they reach this one): each
+     * bumps fs_gen, which makes every cached cwd and root stale, and stays in `fs_inflight`
+     * (under `lock`) until it has surely run: its thread makes another call or is gone. A cwd or
+     * root is cached only when none is in flight (see task_start_fd). */
+    atomic_ullong fs_gen;
+    atomic_int nfs_inflight;
+    atomic_bool fs_cache_off; /* a change could not be tracked: cwd and root opened every call */
+    struct fs_change {
+        pid_t tid;
+        int pidfd; /* -1: not known (then only its next call retires it) */
+    } fs_inflight[MAX_FS_INFLIGHT];
     atomic_ullong replies_here; /* opens answered with the task kept on the worker's CPU */
     /* The task hold_here holds to a CPU, if any (one at a time), under pin_lock. */
     pthread_mutex_t pin_lock;
@@ -254,6 +267,8 @@ struct req {
     int proc_fd;   /* /proc/<tid> */
     int pidfd;     /* the thread's pidfd, or -1 (before 6.9, a thread that does not lead) */
     int root_fd;   /* the task's root, opened on first use */
+    bool root_borrowed; /* root_fd is the task cache's (not closed by handle()) */
+    struct tid_entry *entry; /* the task's cache entry (read_task_info) */
     bool root_known;
     uint64_t root_dev, root_ino, root_mnt;
     struct task_info ti;
@@ -302,6 +317,9 @@ void close_fd(int *fd);
 void res_init(struct resolved *r);
 void res_close(struct resolved *r);
 int open_root(struct req *q);
+void fs_retire(struct ccs *s, pid_t tid);
+void fs_change(struct ccs *s, struct seccomp_notif *n);
+int task_start_fd(struct req *q, bool root, int *out, bool *cached);
 int get_root(struct req *q, int *out);
 int start_dir(struct req *q, int dirfd, const char *path, bool check_dir, int *out);
 int resolve(struct req *q, int dirfd, const char *path, bool follow_final,

@@ -198,6 +198,12 @@ static int beneath_start(struct req *q, int dirfd, const char *path, int *out, b
         *out = q->root_fd;
         return err;
     }
+    if (dirfd == AT_FDCWD) {
+        bool cached;
+        int err = task_start_fd(q, false, out, &cached);
+        *owned = !err && !cached;
+        return err;
+    }
     int err = start_dir(q, dirfd, path, false, out);
     *owned = !err;
     return err;

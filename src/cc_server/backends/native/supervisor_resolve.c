@@ -29,12 +29,15 @@ void res_close(struct resolved *r) {
 
 /* --- path resolution in the task's view ---------------------------------------------------- */
 
-/* The task's root, opened once per notification (q->root_fd, closed by handle()). */
+/* The task's root, opened once per notification or kept by the task cache (q->root_fd; closed
+ * by handle() unless the cache's). */
 int open_root(struct req *q) {
     if (q->root_fd < 0) {
-        q->root_fd = openat(q->proc_fd, "root", O_PATH | O_DIRECTORY | O_CLOEXEC);
-        if (q->root_fd < 0)
-            return errno == ENOENT ? ESRCH : errno;
+        int err = task_start_fd(q, true, &q->root_fd, &q->root_borrowed);
+        if (err) {
+            q->root_fd = -1;
+            return err;
+        }
     }
     return 0;
 }
@@ -105,8 +108,13 @@ int start_dir(struct req *q, int dirfd, const char *path, bool check_dir, int *o
     if (path[0] == '/')
         return get_root(q, out);
     if (dirfd == AT_FDCWD) {
-        *out = openat(q->proc_fd, "cwd", O_PATH | O_DIRECTORY | O_CLOEXEC);
-        return *out < 0 ? (errno == ENOENT ? ESRCH : errno) : 0;
+        bool cached;
+        int err = task_start_fd(q, false, out, &cached);
+        if (!err && cached) {
+            *out = fcntl(*out, F_DUPFD_CLOEXEC, 0); /* the caller's own */
+            err = *out < 0 ? errno : 0;
+        }
+        return err;
     }
     if (dirfd < 0)
         return EBADF;

@@ -24,6 +24,10 @@ struct tid_entry {
     int pidfd;
     unsigned long long gen; /* s->state_gen when `ti` was read; 0: not reusable */
     struct task_info ti;
+    /* The thread's cwd and root (O_PATH), or -1, each valid while s->fs_gen is what it was
+     * when they were opened (see task_start_fd). */
+    int cwd_fd, root_fd;
+    unsigned long long cwd_gen, root_gen;
 };
 static __thread struct tid_entry tid_cache[TID_CACHE];
 static __thread unsigned tid_next;
@@ -32,6 +36,8 @@ static void tid_entry_reset(struct tid_entry *e) {
     e->tid = 0;
     e->proc_fd = e->status_fd = e->pidfd = -1;
     e->gen = 0;
+    e->cwd_fd = e->root_fd = -1;
+    e->cwd_gen = e->root_gen = 0;
 }
 
 void tid_cache_init(void) {
@@ -40,6 +46,10 @@ void tid_cache_init(void) {
 }
 
 static void tid_entry_close(struct tid_entry *e) {
+    if (e->cwd_fd >= 0)
+        close(e->cwd_fd);
+    if (e->root_fd >= 0)
+        close(e->root_fd);
     if (e->proc_fd >= 0)
         close(e->proc_fd);
     if (e->status_fd >= 0)
@@ -359,6 +369,7 @@ int read_task_info(struct req *q) {
             q->ti = e->ti;
             q->proc_fd = e->proc_fd;
             q->pidfd = e->pidfd;
+            q->entry = e;
             return 0;
         }
         err = read_status(e->status_fd, text, sizeof text);
@@ -386,6 +397,7 @@ int read_task_info(struct req *q) {
     q->ti = e->ti;
     q->proc_fd = e->proc_fd; /* borrowed from the cache */
     q->pidfd = e->pidfd;
+    q->entry = e;
     return 0;
 }
 
@@ -439,5 +451,105 @@ long keeper_of(struct ccs *s, pid_t tid) {
         parent = up_parent;
         inner = up_inner;
     }
+    return 0;
+}
+
+/* Whether no cwd or root change is in flight (retiring those of threads that are gone), with
+ * the generation then in `gen`. */
+static bool fs_stable(struct ccs *s, unsigned long long *gen) {
+    if (atomic_load(&s->fs_cache_off))
+        return false;
+    *gen = atomic_load(&s->fs_gen);
+    if (atomic_load(&s->nfs_inflight) == 0)
+        return true;
+    pthread_mutex_lock(&s->lock);
+    int n = atomic_load(&s->nfs_inflight);
+    for (int i = 0; i < n;) {
+        struct fs_change *c = &s->fs_inflight[i];
+        if (c->pidfd >= 0 && !task_alive(c->pidfd)) {
+            close(c->pidfd);
+            *c = s->fs_inflight[--n];
+        } else {
+            i++;
+        }
+    }
+    atomic_store(&s->nfs_inflight, n);
+    pthread_mutex_unlock(&s->lock);
+    *gen = atomic_load(&s->fs_gen);
+    return n == 0;
+}
+
+/* A call of thread `tid` has begun: its own cwd or root changes before it have run. */
+void fs_retire(struct ccs *s, pid_t tid) {
+    if (atomic_load(&s->nfs_inflight) == 0)
+        return;
+    pthread_mutex_lock(&s->lock);
+    int n = atomic_load(&s->nfs_inflight);
+    for (int i = 0; i < n;) {
+        struct fs_change *c = &s->fs_inflight[i];
+        if (c->tid == tid) {
+            if (c->pidfd >= 0)
+                close(c->pidfd);
+            *c = s->fs_inflight[--n];
+        } else {
+            i++;
+        }
+    }
+    atomic_store(&s->nfs_inflight, n);
+    pthread_mutex_unlock(&s->lock);
+}
+
+/* chdir, fchdir, chroot, pivot_root, setns or unshare: the cwd and root caches are stale from
+ * now on, and none is filled until this call has surely run; let it run. */
+void fs_change(struct ccs *s, struct seccomp_notif *n) {
+    pid_t tid = (pid_t)n->pid;
+    int pidfd = (int)syscall(SYS_pidfd_open, tid, PIDFD_THREAD);
+    if (pidfd < 0 && errno == EINVAL)
+        pidfd = (int)syscall(SYS_pidfd_open, tid, 0);
+    pthread_mutex_lock(&s->lock);
+    int k = atomic_load(&s->nfs_inflight);
+    if (k < MAX_FS_INFLIGHT) {
+        s->fs_inflight[k] = (struct fs_change){.tid = tid, .pidfd = pidfd};
+        atomic_store(&s->nfs_inflight, k + 1);
+        pidfd = -1;
+    } else {
+        atomic_store(&s->fs_cache_off, true);
+    }
+    atomic_fetch_add(&s->fs_gen, 1);
+    pthread_mutex_unlock(&s->lock);
+    if (pidfd >= 0)
+        close(pidfd);
+    respond_continue(s, n->id);
+}
+
+/*
+ * The task's cwd or root ("cwd", "root"), O_PATH: the cached one while no change of either has
+ * been trapped since it was opened, else opened from /proc/<tid>/ (a procfs link: ~3 us here,
+ * more under load), and kept when no change was in flight before or during that open (any
+ * later change bumps fs_gen first). The fd is the cache's (`*cached`) or the caller's.
+ */
+int task_start_fd(struct req *q, bool root, int *out, bool *cached) {
+    struct tid_entry *e = q->entry;
+    int *slot = e ? (root ? &e->root_fd : &e->cwd_fd) : NULL;
+    unsigned long long *slot_gen = e ? (root ? &e->root_gen : &e->cwd_gen) : NULL;
+    *cached = false;
+    if (slot && *slot >= 0 && *slot_gen == atomic_load(&q->s->fs_gen) &&
+        !atomic_load(&q->s->fs_cache_off)) {
+        *out = *slot;
+        *cached = true;
+        return 0;
+    }
+    unsigned long long gen = 0;
+    bool keep = slot && fs_stable(q->s, &gen);
+    int fd = openat(q->proc_fd, root ? "root" : "cwd", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        return errno == ENOENT ? ESRCH : errno;
+    if (keep && atomic_load(&q->s->fs_gen) == gen && atomic_load(&q->s->nfs_inflight) == 0) {
+        close_fd(slot);
+        *slot = fd;
+        *slot_gen = gen;
+        *cached = true;
+    }
+    *out = fd;
     return 0;
 }
