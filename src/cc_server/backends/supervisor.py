@@ -141,12 +141,6 @@ STATE_SYSCALLS: Final[tuple[str, ...]] = (
 FS_SYSCALLS: Final[tuple[str, ...]] = (
     "chdir", "fchdir", "chroot", "pivot_root", "setns", "unshare",
 )  # fmt: skip
-# Trapped so that a task the supervisor holds to one CPU for a run of opens (see hold_here
-# in native/supervisor_cpu.c) gets its own affinity back before anything can inherit or read it:
-# a new thread or process, or the task's affinity asked or set. Let run once that is done.
-PIN_SYSCALLS: Final[tuple[str, ...]] = (
-    "clone", "clone3", "fork", "vfork", "sched_setaffinity", "sched_getaffinity",
-)  # fmt: skip
 # Trapped as well when the write policy has path rules (protected patterns or paths): what changes
 # a name or a file that exists. Decided on the path the supervisor resolves itself, then done for
 # the task (fchmodat2 is 452 on every architecture; older libseccomp releases lack its name).
@@ -198,7 +192,7 @@ def notify_filter_bpf(*, writes: bool = False) -> bytes:
     flt.add_rule(sc.NOTIFY, "openat", sc.Arg(2, sc.MASKED_EQ, os.O_CREAT, os.O_CREAT))
     for name, _reason in TRAPPED_SYSCALLS:
         flt.add_rule(sc.NOTIFY, name)
-    for name in (*STATE_SYSCALLS, *FS_SYSCALLS, *PIN_SYSCALLS):
+    for name in (*STATE_SYSCALLS, *FS_SYSCALLS):
         flt.add_rule(sc.NOTIFY, name)
     if writes:
         for flag in WRITE_OPEN_FLAGS:

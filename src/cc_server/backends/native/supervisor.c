@@ -58,7 +58,8 @@ __thread char judged[PATH_MAX + NAME_MAX + 2];
 /* The calls that change a task's umask or fs credentials, or (an exec by a thread that does
  * not lead its group, which takes over the leader's id) what a thread id stands for: trapped so
  * the cache can follow. */
-/* Calls that could pass on or show a CPU pin (hold_here): let run once it is released. */
+/* Calls an older filter trapped so that a CPU pin was released first; this one traps none of
+ * them (a held task never runs its own code with the pin: see hold_here). Let run. */
 static bool is_pin_point(int nr) {
     switch (nr) {
     case SYS_clone:
@@ -238,11 +239,6 @@ static void handle(struct ccs *s, struct seccomp_notif *n) {
         respond(s, n->id, 0, ENOSYS);
         return;
     }
-    /* A held task keeps its pin only through a run of its own opens (see hold_here). */
-    pid_t held = atomic_load(&s->pin_tid);
-    if (held && (held != (pid_t)n->pid || is_pin_point(n->data.nr) ||
-                 is_state_change(n->data.nr)))
-        pin_release(s);
     if (is_pin_point(n->data.nr)) {
         respond_continue(s, n->id);
         return;

@@ -62,17 +62,14 @@ void pin_release(struct ccs *s) {
  * the task for SECCOMP_IOCTL_NOTIF_ADDFD with an ordinary wake-up, never on the waker's CPU (the
  * sync wake-up flag covers only the notification and SECCOMP_IOCTL_NOTIF_SEND), so the scheduler
  * puts it on another CPU whenever one is idle; and an idle vCPU here halts, so that wake-up costs
- * ~20 us. So for a run of opens the task and this worker are allowed this CPU alone: this worker
- * first (it stays so for the run: see PIN_IDLE_MS), then the task, unless it already is (it stays
- * so for the run too). respond_fd then answers with ADDFD_FLAG_SEND: the task wakes here, installs
- * the fd and returns from its call. The worker is SCHED_BATCH, so its own wake-up (the ioctl's
- * end) does not preempt the task: it runs when the task next sleeps, typically in its next
- * trapped call. A create then costs two context switches, not four.
- * The task runs its own code with the pin between its opens, and gets its affinity back
- * (pin_release) before anything can inherit or read it through a call: a clone, clone3, fork,
- * vfork, exec or sched_{set,get}affinity of it is trapped and first releases it; and when the
- * run ends: PIN_IDLE_MS without a call, a call of another task, or calls of tasks overlapping.
- * Only /proc/<pid>/status shows the pin meanwhile. Returns whether the task is held here.
+ * ~20 us. So for a run of opens this worker is allowed this CPU alone (it stays so for the run:
+ * see PIN_IDLE_MS), and for the answer the task too, unless it already is: respond_fd installs
+ * the fd (the task wakes here, installs it and waits again, in the kernel), gives the task its
+ * affinity back (pin_release) and only then answers, with a sync wake-up that keeps it here.
+ * The task never runs its own code with the pin, so nothing it starts or asks inherits or shows
+ * it, and no call of its (clone, fork, exec, its own affinity calls) needs trapping for it: a
+ * trapped call that a signal interrupts before a worker takes it fails with EINTR when the
+ * handler lacks SA_RESTART, which a fork must never do. Returns whether the task is held here.
  */
 bool hold_here(struct ccs *s, pid_t tid, int pidfd) {
     if (!s->reply_here || !worker_cpus_known || crowded(s))

@@ -97,16 +97,23 @@ void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool c
     struct seccomp_notif_addfd addfd;
     memset(&addfd, 0, sizeof addfd);
     addfd.id = id;
-    addfd.flags = SECCOMP_ADDFD_FLAG_SEND;
+    /* Held: the fd is installed first (the task wakes here, installs it and waits again, in
+     * the kernel), then the task gets its affinity back, then the answer (a sync wake-up, on
+     * this CPU). It never runs its own code with the pin. */
+    addfd.flags = held ? 0 : SECCOMP_ADDFD_FLAG_SEND;
     addfd.srcfd = (uint32_t)fd;
     addfd.newfd_flags = cloexec ? O_CLOEXEC : 0;
     int r = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
     int err = errno;
     close(fd);
-    if (r >= 0 && held)
+    if (held)
+        pin_release(s);
+    if (r >= 0 && held) {
         atomic_fetch_add(&s->replies_here, 1);
-    else if (r < 0 && err != ENOENT && err != ESRCH) /* ENOENT, ESRCH: gone, nobody waits */
-        respond(s, id, 0, err);                        /* e.g. EMFILE: the task's fd limit */
+        respond(s, id, r, 0);
+    } else if (r < 0 && err != ENOENT && err != ESRCH) { /* ENOENT, ESRCH: gone, nobody waits */
+        respond(s, id, 0, err);                          /* e.g. EMFILE: the task's fd limit */
+    }
 }
 
 bool id_valid(struct ccs *s, uint64_t id) {
