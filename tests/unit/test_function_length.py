@@ -12,7 +12,7 @@ import cc_server
 PACKAGE = pathlib.Path(cc_server.__file__).parent
 MAX_FUNCTION_LINES = 80
 # Packages (directories) and single modules held to the limit, relative to the package root.
-HELD: tuple[str, ...] = ("dispatch", "runtime")
+HELD: tuple[str, ...] = ("dispatch", "runtime", "egress/driver")
 
 
 def long_functions(tree: ast.AST, limit: int) -> list[tuple[str, int, int]]:
