@@ -1,0 +1,68 @@
+"""Frames the CLI daemon cannot take, sent by a process of its own uid on its socket: each gets an
+error answer or a closed connection, never a dead daemon, a stalled loop, a leaked descriptor or
+a command that outlives its client; and a spare whose binds the host changed while it started is
+not the sandbox the next run is served in.
+
+The fixtures and the hostile client are those of the review's tests (test_review_2026_12_02).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import time
+
+import pytest
+import test_review_2026_12_02 as review
+from cli_kit import daemon_pids
+from test_review_2026_12_02 import (
+    PROMPT_S,
+    bwrap_binding,
+    client,
+    frame,
+    hostile,
+    wait_for,
+)
+
+pytestmark = pytest.mark.integration
+
+# The review's fixtures, each test's own daemon.
+runtime, env, work = review.runtime, review.env, review.work
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_descriptors_sent_with_bad_frames_are_not_kept(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
+) -> None:
+    first = client("run", "--bind", str(work), "--", "true", env=env, cwd=work)
+    assert first.returncode == 0, first.stderr
+    [pid] = daemon_pids(runtime)
+    [path] = [str(p) for p in (runtime / "cc-server").glob("cli-*.sock")]
+    assert wait_for(lambda: len(bwrap_binding(work)) == 1)  # the spare
+    time.sleep(1.0)  # the spare's proxies have started
+    before = open_fds(pid)
+    bodies = [b"{", b"[1]", b"\xff\xfe", json.dumps({"argv": 5, "cwd": "/"}).encode(),
+              json.dumps({"argv": ["run"], "cwd": "relative"}).encode()]  # fmt: skip
+    for _ in range(5):
+        for body in bodies:
+            with hostile(path, body) as sock:
+                sock.settimeout(PROMPT_S)
+                with pytest.raises(OSError):  # the socket closed unanswered, or reset
+                    if sock.recv(100) == b"":
+                        raise ConnectionResetError
+        # Ten descriptors on one message: the daemon takes three at most.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            null = os.open(os.devnull, os.O_RDWR)
+            try:
+                socket.send_fds(sock, [frame(b"{")], [null] * 10)
+            finally:
+                os.close(null)
+            sock.settimeout(PROMPT_S)
+            assert sock.recv(100) == b""
+    assert wait_for(lambda: open_fds(pid) <= before), (before, open_fds(pid))
