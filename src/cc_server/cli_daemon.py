@@ -186,6 +186,8 @@ class _Daemon:
                 await self._replace_spare(spare)
         except (EOFError, ValueError, OSError):
             pass
+        except Exception as exc:  # one client's request never ends the daemon and its other runs
+            _log(f"a client's request failed: {type(exc).__name__}: {exc}")
         finally:
             for fd in fds:
                 os.close(fd)

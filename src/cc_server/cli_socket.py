@@ -143,7 +143,10 @@ def message_size(header: bytes) -> int:
 
 def decode_message(body: bytes) -> dict[str, Any]:
     """A message's body as its JSON object; raises ValueError if it is not one."""
-    message = json.loads(body)
+    try:
+        message = json.loads(body)
+    except RecursionError:  # nested deeper than the parser goes
+        raise ValueError("a message is nested too deeply") from None
     if not isinstance(message, dict):
         raise ValueError("a message is not a JSON object")
     return message

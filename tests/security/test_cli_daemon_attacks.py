@@ -23,6 +23,7 @@ from test_review_2026_12_02 import (
     client,
     frame,
     hostile,
+    served_daemon,
     wait_for,
 )
 
@@ -34,6 +35,20 @@ runtime, env, work = review.runtime, review.env, review.work
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_a_frame_nested_deeper_than_the_parser_goes_does_not_end_the_daemon(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
+) -> None:
+    pid, path = served_daemon(env, runtime, work)
+    depth = 200_000  # 400 kB: under the 1 MiB frame limit, far over the recursion limit
+    with hostile(path, b"[" * depth + b"]" * depth) as sock:
+        sock.settimeout(PROMPT_S)
+        assert sock.recv(100) == b""  # dropped, no answer
+    assert daemon_pids(runtime) == [pid]  # the same daemon lives and serves
+    ok = client("run", "--", "sh", "-c", "echo still", env=env, cwd=work)
+    assert ok.returncode == 0 and ok.stdout == "still\n", ok.stderr
+    assert daemon_pids(runtime) == [pid]
 
 
 def test_descriptors_sent_with_bad_frames_are_not_kept(
