@@ -383,8 +383,9 @@ class _Daemon:
 
 
 def _parse(request: dict[str, Any], err: Any, parser: Any = None) -> tuple[Any, Any]:
-    """Parse the client's arguments and build its spec in its working directory (relative
-    `--bind`, `--spec`, `--workdir` paths are the client's). Synchronous: nothing else runs on
+    """Parse the client's arguments (a `run`'s: any other verb is a usage error) and build its
+    spec in its working directory (relative `--bind`, `--spec`, `--workdir` paths are the
+    client's). Synchronous: nothing else runs on
     the loop while the directory is changed."""
     from cc_server import cli
 
@@ -408,6 +409,9 @@ def _parse(request: dict[str, Any], err: Any, parser: Any = None) -> tuple[Any, 
         sys.stdout = sys.stderr = err  # argparse prints its usage errors here
         # The settings files too: HOME and XDG_CONFIG_HOME are keyed.
         args = cli.parse_args(argv, parser)
+        if args.verb != "run":  # the clients send only `run`; no other verb is served here
+            print(f"cc-server: the CLI daemon serves `run` only, not `{args.verb}`", file=err)
+            raise SystemExit(cli.EXIT_USAGE)
         return args, cli.build_spec(args)
     finally:
         sys.stdout, sys.stderr = saved

@@ -8,6 +8,7 @@ The fixtures and the hostile client are those of the review's tests (test_review
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -18,11 +19,13 @@ import pytest
 import test_review_2026_12_02 as review
 from cli_kit import daemon_pids
 from test_review_2026_12_02 import (
+    CLI_TIMEOUT_S,
     PROMPT_S,
     bwrap_binding,
     client,
     frame,
     hostile,
+    request,
     served_daemon,
     wait_for,
 )
@@ -81,3 +84,41 @@ def test_descriptors_sent_with_bad_frames_are_not_kept(
             sock.settimeout(PROMPT_S)
             assert sock.recv(100) == b""
     assert wait_for(lambda: open_fds(pid) <= before), (before, open_fds(pid))
+
+
+@pytest.mark.parametrize("argv", [["probe"], ["serve"], ["daemon", "stop"], ["plan", "--", "true"]])
+def test_a_request_for_another_verb_neither_ends_the_daemon_nor_runs(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path, argv: list[str]
+) -> None:
+    pid, path = served_daemon(env, runtime, work)
+    if argv[0] == "plan":
+        argv = ["plan", "--bind", str(work), "--", "touch", str(work / "ran")]
+    err_r, err_w = os.pipe()
+    null = os.open(os.devnull, os.O_RDWR)
+    answer = b""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(path)
+            socket.send_fds(sock, [frame(request(argv, work))], [null, null, err_w])
+            os.close(err_w)
+            err_w = -1
+            sock.settimeout(CLI_TIMEOUT_S)
+            with contextlib.suppress(OSError):
+                while chunk := sock.recv(100):
+                    answer += chunk
+        with os.fdopen(err_r, "rb") as err:
+            err_r = -1
+            said = err.read().decode()
+    finally:
+        os.close(null)
+        for fd in (err_r, err_w):
+            if fd >= 0:
+                os.close(fd)
+    assert b'"exit": 2' in answer, (answer, said)  # a usage error
+    assert "run" in said, said
+    time.sleep(0.5)
+    assert not (work / "ran").exists()  # a plan is never a run
+    assert daemon_pids(runtime) == [pid]
+    ok = client("run", "--", "sh", "-c", "echo still", env=env, cwd=work)
+    assert ok.returncode == 0 and ok.stdout == "still\n", ok.stderr
+    assert daemon_pids(runtime) == [pid]
