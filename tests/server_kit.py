@@ -7,6 +7,7 @@ XDG_RUNTIME_DIR (egress socket paths must stay under the 108-byte Unix socket li
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -219,3 +220,33 @@ def kill_marked(marker: str) -> None:
     for pid in host_pids_with(marker):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+
+
+async def frame_until(
+    ws: aiohttp.ClientWebSocketResponse, kind: str, command_id: str | None = None,
+    timeout_s: float = 60.0,
+) -> dict[str, Any]:
+    """The next text frame of type `kind` (and of `command_id`, given one) from a session or exec
+    WebSocket; the frames before it are dropped."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            msg = await ws.receive()
+            assert msg.type is aiohttp.WSMsgType.TEXT, msg
+            frame: dict[str, Any] = msg.json()
+            if frame["type"] == kind and (command_id is None or frame.get("id") == command_id):
+                return frame
+
+
+async def new_sandbox(server: Server, bind: pathlib.Path, session_id: str | None = None) -> str:
+    """Create a sandbox binding `bind` (its id `session_id`, or a fresh one); its id."""
+    session_id = session_id or f"sb-{secrets.token_hex(6)}"
+    spec = {"sessionId": session_id, "workspaceId": "w", "bindMounts": [{"hostPath": str(bind)}]}
+    async with server.client() as http, http.post("/v1/sandboxes", json={"spec": spec}) as answer:
+        assert answer.status == 201, await answer.text()
+    return session_id
+
+
+async def drop_sandbox(server: Server, session_id: str) -> None:
+    """Destroy the sandbox `session_id` (idempotent)."""
+    async with server.client() as http, http.delete(f"/v1/sandboxes/{session_id}"):
+        pass

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import pathlib
-import secrets
 import shutil
 import signal
 import socket
@@ -23,13 +22,21 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from ipaddress import ip_address
-from typing import Any
 
 import aiohttp
 import pytest
 from cli_kit import daemon_pids
 from escape_kit import Sandboxes, run_attack
-from server_kit import Server, host_pids_with, kill_marked, running_server, wait_until_gone
+from server_kit import (
+    Server,
+    drop_sandbox,
+    frame_until,
+    host_pids_with,
+    kill_marked,
+    new_sandbox,
+    running_server,
+    wait_until_gone,
+)
 from write_kit import tree_state
 
 import cc_server
@@ -442,38 +449,14 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
         yield srv
 
 
-async def _new_sandbox(server: Server, bind: pathlib.Path) -> str:
-    session_id = f"review-{secrets.token_hex(6)}"
-    async with (
-        server.client() as http,
-        http.post(
-            "/v1/sandboxes",
-            json={
-                "spec": {
-                    "sessionId": session_id,
-                    "workspaceId": "w",
-                    "bindMounts": [{"hostPath": str(bind)}],
-                }
-            },
-        ) as response,
-    ):
-        assert response.status == 201, await response.text()
-    return session_id
-
-
-async def _drop_sandbox(server: Server, session_id: str) -> None:
-    async with server.client() as http, http.delete(f"/v1/sandboxes/{session_id}"):
-        pass
-
-
 @pytest.fixture
 async def sandboxes(server: Server, tmp_path: pathlib.Path) -> AsyncIterator[tuple[str, str]]:
-    one, two = (await _new_sandbox(server, tmp_path), await _new_sandbox(server, tmp_path))
+    one, two = (await new_sandbox(server, tmp_path), await new_sandbox(server, tmp_path))
     try:
         yield one, two
     finally:
-        await _drop_sandbox(server, one)
-        await _drop_sandbox(server, two)
+        await drop_sandbox(server, one)
+        await drop_sandbox(server, two)
 
 
 @pytest.fixture
@@ -481,18 +464,6 @@ def sleep_marker() -> Iterator[str]:
     value = unique_duration()
     yield value
     kill_marked(f"sleep\x00{value}")
-
-
-async def _frame_until(
-    ws: aiohttp.ClientWebSocketResponse, kind: str, command_id: str | None = None
-) -> dict[str, Any]:
-    async with asyncio.timeout(CLI_TIMEOUT_S):
-        while True:
-            msg = await ws.receive()
-            assert msg.type is aiohttp.WSMsgType.TEXT, msg
-            frame = msg.json()
-            if frame["type"] == kind and (command_id is None or frame.get("id") == command_id):
-                return frame
 
 
 @pytest.mark.parametrize("auth", ["none", "wrong-header", "wrong-query", "query-prefix"])
@@ -534,7 +505,7 @@ async def test_one_stream_cannot_reach_the_commands_of_another(
                 "exec": {"argv": ["sh", "-c", f"cat > {tmp_path}/fed; exec sleep {sleep_marker}"]},
             }
         )
-        await _frame_until(victim, "ready", "job")
+        await frame_until(victim, "ready", "job")
         for attacker in (same_sandbox, other_sandbox):
             for message in (
                 {"id": "job", "kill": True},
@@ -542,7 +513,7 @@ async def test_one_stream_cannot_reach_the_commands_of_another(
                 {"id": "job", "stdinClose": True},
             ):
                 await attacker.send_json(message)
-                error = await _frame_until(attacker, "error")
+                error = await frame_until(attacker, "error")
                 assert error["id"] == "job" and error["status"] == 404, error
         await asyncio.sleep(0.5)
         assert host_pids_with(f"sleep\x00{sleep_marker}") == []  # still in `cat`: not fed
@@ -552,7 +523,7 @@ async def test_one_stream_cannot_reach_the_commands_of_another(
         )
         assert (tmp_path / "fed").read_text() == "mine\n"
         await victim.send_json({"id": "job", "kill": True})
-        exit_frame = await _frame_until(victim, "exit", "job")
+        exit_frame = await frame_until(victim, "exit", "job")
         assert exit_frame["id"] == "job"
 
 
@@ -562,11 +533,11 @@ async def test_a_reused_id_reaches_only_the_new_command(
     url = f"{server.ws_url}/v1/sandboxes/{sandboxes[0]}/session/ws"
     async with aiohttp.ClientSession(headers=server.auth) as session, session.ws_connect(url) as ws:
         await ws.send_json({"id": "a", "exec": {"argv": ["true"]}})
-        await _frame_until(ws, "exit", "a")
+        await frame_until(ws, "exit", "a")
         await ws.send_json({"id": "a", "exec": {"argv": ["sleep", sleep_marker]}})
-        await _frame_until(ws, "ready", "a")
+        await frame_until(ws, "ready", "a")
         await ws.send_json({"id": "a", "kill": True})
-        killed = await _frame_until(ws, "exit", "a")
+        killed = await frame_until(ws, "exit", "a")
         assert killed["exitCode"] != 0
         assert await asyncio.to_thread(wait_until_gone, f"sleep\x00{sleep_marker}", PROMPT_S) == []
 

@@ -7,10 +7,13 @@ commands: one upgrade, then per command a `{"id", "exec": ExecRequest}` message 
 of the exec WebSocket with `"id"` added. A message the server cannot act on gets an error frame
 (`{"type": "error", "id", "status", "error", "message", "fix"}`, `id` null when the message
 named none or could not be read) and the stream goes on; a refused exec never ran. Closing the
-socket kills every command still running on it (reason `disconnected`). Memory per stream is
-bounded: a command's output waits in its execution's bounded queue, and in the socket's buffer
-only until the client takes it (a client that stops reading stops the command's output, not the
-server); client messages for one command queue up to SESSION_INPUT_QUEUE.
+socket kills every command still running on it (reason `disconnected`). A stream is bound to the
+handle of the sandbox it was opened on, not to its id: once that sandbox is destroyed, every
+further message is refused (Closed, 409), and a new sandbox that took the id is never reached.
+Memory per stream is bounded: a command's output waits in its execution's bounded queue, and in
+the socket's buffer only until the client takes it (a client that stops reading stops the
+command's output, not the server); client messages for one command queue up to
+SESSION_INPUT_QUEUE.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ from cc_server.server.exec_result import send_exec_result
 from cc_server.server.logs import LOGGER_NAME, log_event
 from cc_server.server.models import ExecRequest, ExecStreamInput, SessionStreamInput
 from cc_server.server.state import STATE, ServerState
-from cc_server.server.status import LIMIT_STATUS, Refused, error_body, refusal
+from cc_server.server.status import CLOSED_STATUS, LIMIT_STATUS, Refused, error_body, refusal
 
 __all__ = ["SESSION_INPUT_QUEUE", "SESSION_MAX_COMMANDS", "routes"]
 
@@ -91,12 +94,13 @@ def _check_exec(req: ExecRequest) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _running(state: ServerState, session_id: str, req: ExecRequest, *,
+async def _running(state: ServerState, sandbox: str | SandboxHandle, req: ExecRequest, *,
                    interactive: bool) -> AsyncIterator[tuple[Execution, bytes | None]]:
-    """Start the command of `req`, tracked for kill and shutdown, with its stdin bytes (for an
-    interactive one, to be written now that it runs); refusals become Refused."""
+    """Start the command of `req` in `sandbox` (the live one of that id, or that handle itself),
+    tracked for kill and shutdown, with its stdin bytes (for an interactive one, to be written
+    now that it runs); refusals become Refused."""
     _check_exec(req)
-    handle = live_handle(state, session_id)
+    handle = live_handle(state, sandbox) if isinstance(sandbox, str) else sandbox
     stdin = _stdin_bytes(req.stdin, req.stdin_base64)
     started = time.monotonic()
     execution: Execution | None = None
@@ -276,6 +280,24 @@ class _SessionStream:
         return (handle.state in (SandboxState.DESTROYED, SandboxState.ERROR)
                 or self._state.manager.handles.get(handle.session_id) is not handle)
 
+    def _refuse_if_gone(self, tg: asyncio.TaskGroup) -> None:
+        """A Refused (Closed) once the stream's own sandbox is destroyed or failed, its running
+        commands killed: a new sandbox that took its id is another sandbox, never reached."""
+        if not self._sandbox_gone():
+            return
+        self._kill_all(tg, "destroyed")
+        raise self._closed()
+
+    def _closed(self) -> Refused:
+        return Refused(CLOSED_STATUS, "Closed", f"the sandbox {self._handle.session_id!r} this "
+                       "stream was opened on was destroyed", "open a stream on a live sandbox")
+
+    def _kill_all(self, tg: asyncio.TaskGroup, reason: str) -> None:
+        for command in list(self._commands.values()):
+            if command.execution is not None:
+                tg.create_task(command.execution.kill(reason=reason),
+                               name=f"session stream kill {command.id}")
+
     async def serve(self, tg: asyncio.TaskGroup) -> None:
         """Read client messages until the client closes (or the sandbox is gone and no command
         runs), then kill what still runs."""
@@ -308,12 +330,10 @@ class _SessionStream:
                     await self._error(msg.id, refused.status, refused.body)
         finally:
             self._closing = True
-            for command in list(self._commands.values()):
-                if command.execution is not None:
-                    tg.create_task(command.execution.kill(reason="disconnected"),
-                                   name=f"session stream kill {command.id}")
+            self._kill_all(tg, "disconnected")
 
     async def _apply(self, msg: SessionStreamInput, tg: asyncio.TaskGroup) -> None:
+        self._refuse_if_gone(tg)
         if msg.egress_answer is not None:
             await ws_answer(self._ws, self._handle, msg.egress_answer)
         wants_input = (msg.stdin is not None or msg.stdin_base64 is not None or msg.stdin_close
@@ -370,7 +390,9 @@ class _SessionStream:
         try:
             if self._state.shutting_down:
                 raise Refused(503, "ShuttingDown", "the server is shutting down")
-            async with _running(self._state, self._handle.session_id, req,
+            if self._sandbox_gone():
+                raise self._closed()
+            async with _running(self._state, self._handle, req,
                                 interactive=True) as (execution, initial):
                 command.execution = execution
                 if self._closing or command.kill is not None:

@@ -172,9 +172,12 @@ def _paths() -> dict[str, Any]:
                     f"{SESSION_MAX_COMMANDS} commands run at once on one stream, and "
                     f"{SESSION_INPUT_QUEUE} messages wait per command (LimitReached, 429, "
                     "past either). Closing the socket kills every command still running on it "
-                    "(reason disconnected); the server closes it once the sandbox is destroyed "
-                    "and no command runs. An unknown sandbox gets one ErrorBody message and "
-                    "close code 4404. The exec WebSocket stays for one command at a time."
+                    "(reason disconnected). A stream is bound to the sandbox it was opened on: "
+                    "once that sandbox is destroyed its commands end, every further message gets "
+                    "a Closed (409) error frame (a new sandbox that took the id is never "
+                    "reached), and the server closes the stream once no command runs. An "
+                    "unknown sandbox gets one ErrorBody message and close code 4404. The exec "
+                    "WebSocket stays for one command at a time."
                 ),
                 "responses": {"101": {"description": "switching to WebSocket"},
                               **_errors(401, 404)},

@@ -1,0 +1,109 @@
+"""Attacks on the server's session stream (GET /v1/sandboxes/{id}/session/ws) by a client that
+holds the token: a stream kept open across its sandbox's destruction, to reach a new sandbox
+that took its id."""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import secrets
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from server_kit import Server, drop_sandbox, frame_until, kill_marked, new_sandbox, running_server
+
+pytestmark = pytest.mark.integration
+
+TIMEOUT_S = 60.0  # hang guard for frames that come in well under a second
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    with running_server(tmp_path_factory.mktemp("stream-attacks")) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def sandbox(server: Server, tmp_path: pathlib.Path) -> AsyncIterator[str]:
+    session_id = await new_sandbox(server, tmp_path)
+    try:
+        yield session_id
+    finally:
+        await drop_sandbox(server, session_id)
+
+
+@pytest.fixture
+def sleep_marker() -> Iterator[str]:
+    value = str(400000 + secrets.randbelow(500000))  # a unique `sleep` duration, found in /proc
+    yield value
+    kill_marked(f"sleep\x00{value}")
+
+
+async def test_a_stream_does_not_follow_its_sandbox_id_to_a_new_sandbox(
+    server: Server, tmp_path: pathlib.Path
+) -> None:
+    """The stream of a sandbox that was destroyed, its id then given to a new sandbox with other
+    binds: the stream's commands never run in the new one, and its next frame is refused."""
+    old_bind, new_bind = tmp_path / "old", tmp_path / "new"
+    for d in (old_bind, new_bind):
+        d.mkdir()
+        (d / "which").write_text(f"{d.name}\n")
+    session_id = await new_sandbox(server, old_bind)
+    url = f"{server.ws_url}/v1/sandboxes/{session_id}/session/ws"
+    answers: list[dict[str, Any]] = []
+    try:
+        async with (
+            aiohttp.ClientSession(headers=server.auth) as session,
+            session.ws_connect(url) as ws,
+        ):
+            await ws.send_json({"id": "a", "exec": {"argv": ["cat", f"{old_bind}/which"]}})
+            assert (await frame_until(ws, "stdout", "a"))["data"] == "old\n"
+            await frame_until(ws, "exit", "a")
+            await drop_sandbox(server, session_id)
+            await new_sandbox(server, new_bind, session_id)
+            await ws.send_json(
+                {
+                    "id": "b",
+                    "exec": {
+                        "argv": ["sh", "-c", f"cat {new_bind}/which; touch {new_bind}/reached"]
+                    },
+                }
+            )
+            async with asyncio.timeout(TIMEOUT_S):  # its exit or error frame, or the close
+                while (msg := await ws.receive()).type is aiohttp.WSMsgType.TEXT:
+                    answers.append(msg.json())
+                    if answers[-1].get("id") == "b" and answers[-1]["type"] in ("exit", "error"):
+                        break
+        assert not (new_bind / "reached").exists(), answers
+        assert not any(a.get("data") == "new\n" for a in answers), answers
+        assert answers and answers[-1]["type"] == "error", answers
+        assert (answers[-1]["status"], answers[-1]["error"]) == (409, "Closed"), answers
+    finally:
+        await drop_sandbox(server, session_id)
+
+
+async def test_a_stream_whose_sandbox_was_destroyed_ends_its_commands(
+    server: Server, sandbox: str, sleep_marker: str, tmp_path: pathlib.Path
+) -> None:
+    """A command running on a stream when its sandbox is destroyed ends (its exit frame), and
+    stdin sent to it afterwards reaches nothing in a new sandbox of that id."""
+    url = f"{server.ws_url}/v1/sandboxes/{sandbox}/session/ws"
+    async with aiohttp.ClientSession(headers=server.auth) as session, \
+            session.ws_connect(url) as ws:  # fmt: skip
+        await ws.send_json({"id": "long", "exec": {"argv": ["sleep", sleep_marker]}})
+        await frame_until(ws, "ready", "long")
+        await drop_sandbox(server, sandbox)
+        await new_sandbox(server, tmp_path, sandbox)
+        ended = await frame_until(ws, "exit", "long")
+        assert ended["exitCode"] != 0, ended
+        for message in (
+            {"id": "long", "stdin": "x\n"},
+            {"id": "c", "exec": {"argv": ["true"]}},
+            {"id": "long", "kill": True},
+        ):
+            await ws.send_json(message)
+            refused = await frame_until(ws, "error")
+            assert (refused["id"], refused["status"], refused["error"]) == (
+                message["id"], 409, "Closed"), refused  # fmt: skip
