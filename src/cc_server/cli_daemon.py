@@ -421,8 +421,9 @@ def _parse(request: dict[str, Any], err: Any, parser: Any = None) -> tuple[Any, 
 async def _watch_client(
     client: socket.socket, execution: Any, interrupted: asyncio.Event
 ) -> None:
-    """A forwarded signal ends the command gracefully; the client going away kills it. Either
-    sets `interrupted`."""
+    """A forwarded signal ends the command gracefully; the client going away, or a message that
+    is not ours (a signal number that names no signal included), kills it. Either sets
+    `interrupted`."""
     while True:
         await wait_readable(client)
         try:
@@ -434,10 +435,23 @@ async def _watch_client(
             return
         finally:
             client.setblocking(False)
-        if isinstance(message.get("signal"), int):
+        if "signal" in message:
             interrupted.set()
-            name = signal.Signals(message["signal"]).name
-            await execution.terminate(SIGNAL_GRACE_S, reason=name)
+            number = _signal(message["signal"])
+            if number is None:  # not a signal: a message not ours, as a garbage frame is
+                await execution.kill(reason="client gone")
+                return
+            await execution.terminate(SIGNAL_GRACE_S, reason=number.name)
+
+
+def _signal(number: object) -> signal.Signals | None:
+    """The signal a client forwarded; None when `number` names none."""
+    if not isinstance(number, int) or isinstance(number, bool):
+        return None
+    try:
+        return signal.Signals(number)
+    except ValueError:
+        return None
 
 
 _TEMPORARY: Final = re.compile(r"^cli-[0-9a-f]+\.sock\.(?P<pid>\d+)\.tmp\Z")

@@ -12,12 +12,14 @@ import contextlib
 import json
 import os
 import pathlib
+import signal
 import socket
 import time
 
 import pytest
 import test_review_2026_12_02 as review
 from cli_kit import daemon_pids
+from server_kit import host_pids_with
 from test_review_2026_12_02 import (
     CLI_TIMEOUT_S,
     PROMPT_S,
@@ -27,6 +29,7 @@ from test_review_2026_12_02 import (
     hostile,
     request,
     served_daemon,
+    unique_duration,
     wait_for,
 )
 
@@ -52,6 +55,26 @@ def test_a_frame_nested_deeper_than_the_parser_goes_does_not_end_the_daemon(
     ok = client("run", "--", "sh", "-c", "echo still", env=env, cwd=work)
     assert ok.returncode == 0 and ok.stdout == "still\n", ok.stderr
     assert daemon_pids(runtime) == [pid]
+
+
+@pytest.mark.parametrize("number", [99999, -1, 0])
+def test_a_bad_signal_number_does_not_keep_a_command_past_its_client(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path, number: int
+) -> None:
+    _, path = served_daemon(env, runtime, work)
+    marker = unique_duration()
+    try:
+        with hostile(path, request(["run", "--", "sleep", marker], work)) as sock:
+            assert wait_for(lambda: host_pids_with(f"sleep\x00{marker}"))  # control: it runs
+            sock.sendall(frame(json.dumps({"signal": number}).encode()))  # no such signal
+            time.sleep(0.5)
+        # The client is gone: its command goes with it.
+        assert wait_for(lambda: not host_pids_with(f"sleep\x00{marker}")), host_pids_with(
+            f"sleep\x00{marker}"
+        )
+    finally:
+        for each in host_pids_with(f"sleep\x00{marker}"):
+            os.kill(each, signal.SIGKILL)
 
 
 def test_descriptors_sent_with_bad_frames_are_not_kept(
