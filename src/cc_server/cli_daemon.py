@@ -45,7 +45,13 @@ from typing import TYPE_CHECKING, Any, Final
 
 from cc_server.backends import peer
 from cc_server.backends.fdpass import wait_readable
-from cc_server.cli_socket import receive_message, send_message
+from cc_server.cli_socket import (
+    CMSG_CLOEXEC,
+    HEADER_BYTES,
+    decode_message,
+    message_size,
+    send_message,
+)
 from cc_server.rundir import names_of_dead_owners
 from cc_server.tasks import start_task
 
@@ -166,10 +172,7 @@ class _Daemon:
         fds: list[int] = []
         try:
             client.setblocking(False)
-            await wait_readable(client)
-            client.settimeout(MESSAGE_TIMEOUT_S)  # a client that stalls mid-message is dropped
-            request, fds = receive_message(client, max_fds=3)
-            client.setblocking(False)
+            request, fds = await _receive(client, max_fds=3)
             if request.get("stop"):
                 self.stopping = True
                 send_message(client, {"stopping": True})
@@ -418,6 +421,43 @@ def _parse(request: dict[str, Any], err: Any, parser: Any = None) -> tuple[Any, 
         os.chdir(here)
 
 
+async def _receive(client: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+    """One message from the non-blocking `client` (and up to `max_fds` descriptors sent with
+    it), read with the loop: a client that stalls mid-message holds up only itself, and is
+    dropped (TimeoutError) when the rest has not come `MESSAGE_TIMEOUT_S` after its first byte.
+    Raises as `cli_socket.receive_message`; the descriptors are closed whenever it raises."""
+    fds: list[int] = []
+    try:
+        await wait_readable(client)
+        async with asyncio.timeout(MESSAGE_TIMEOUT_S):
+            header = await _read(client, HEADER_BYTES, fds, max_fds)
+            body = await _read(client, message_size(header), fds, 0)
+        return decode_message(body), fds
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+
+
+async def _read(client: socket.socket, size: int, fds: list[int], max_fds: int) -> bytes:
+    """`size` bytes, the descriptors on the first of them (up to `max_fds`) added to `fds`."""
+    data = b""
+    while len(data) < size:
+        try:
+            if max_fds and not data:
+                chunk, got, _flags, _addr = socket.recv_fds(client, size, max_fds, CMSG_CLOEXEC)
+                fds.extend(got)
+            else:
+                chunk = client.recv(size - len(data))
+        except BlockingIOError:
+            await wait_readable(client)
+            continue
+        if not chunk:
+            raise EOFError
+        data += chunk
+    return data
+
+
 async def _watch_client(
     client: socket.socket, execution: Any, interrupted: asyncio.Event
 ) -> None:
@@ -425,16 +465,12 @@ async def _watch_client(
     is not ours (a signal number that names no signal included), kills it. Either sets
     `interrupted`."""
     while True:
-        await wait_readable(client)
         try:
-            client.settimeout(MESSAGE_TIMEOUT_S)
-            message, _ = receive_message(client)
+            message, _ = await _receive(client)
         except (EOFError, ValueError, OSError):
             interrupted.set()
             await execution.kill(reason="client gone")
             return
-        finally:
-            client.setblocking(False)
         if "signal" in message:
             interrupted.set()
             number = _signal(message["signal"])

@@ -77,6 +77,48 @@ def test_a_bad_signal_number_does_not_keep_a_command_past_its_client(
             os.kill(each, signal.SIGKILL)
 
 
+def test_stalled_connections_do_not_hold_up_another_run(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
+) -> None:
+    _, path = served_daemon(env, runtime, work)
+    stalled = []
+    try:
+        for _ in range(6):  # each sent half a header and nothing more
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            sock.sendall(b"\x00\x00")
+            stalled.append(sock)
+        time.sleep(0.2)
+        ok = client("run", "--", "sh", "-c", "echo served", env=env, cwd=work, timeout=PROMPT_S)
+        assert ok.returncode == 0 and ok.stdout == "served\n", ok.stderr
+        for sock in stalled:  # each dropped once its message is late
+            sock.settimeout(PROMPT_S)
+            assert sock.recv(100) == b""
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_stalled_running_client_does_not_hold_up_another_run(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
+) -> None:
+    """Half a header sent by a client whose command runs: the loop is not held while the rest
+    is awaited."""
+    _, path = served_daemon(env, runtime, work)
+    marker = unique_duration()
+    try:
+        with hostile(path, request(["run", "--", "sleep", marker], work)) as sock:
+            assert wait_for(lambda: host_pids_with(f"sleep\x00{marker}"))
+            sock.sendall(b"\x00\x00")
+            time.sleep(0.2)
+            ok = client("run", "--", "sh", "-c", "echo served", env=env, cwd=work, timeout=4.0)
+            assert ok.returncode == 0 and ok.stdout == "served\n", ok.stderr
+        assert wait_for(lambda: not host_pids_with(f"sleep\x00{marker}"))
+    finally:
+        for each in host_pids_with(f"sleep\x00{marker}"):
+            os.kill(each, signal.SIGKILL)
+
+
 def test_descriptors_sent_with_bad_frames_are_not_kept(
     env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
 ) -> None:
