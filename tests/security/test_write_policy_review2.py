@@ -20,7 +20,7 @@ import time
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
-from write_kit import refusals, tree_state, wheel
+from write_kit import refusals, steps_script, tree_state, wheel
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -584,10 +584,7 @@ async def test_review2_ordinary_work_near_the_fixes_still_works(
         f"HOME={wt}/s_npm npm install --offline --no-audit --no-fund --no-update-notifier -s "
         f"{tmp_path}/pkg",
     }
-    script = "\n".join(
-        f"if ( {cmd} ) >/tmp/log 2>&1; then echo '{k}=ok'; else echo '{k}=fail'; cat /tmp/log; fi"
-        for k, cmd in steps.items()
-    )
+    script = steps_script(steps)
     handle = sb.launch(bindMounts=[
         {"hostPath": str(wt)}, {"hostPath": str(tmp_path / "pkg"), "readOnly": True},
         {"hostPath": str(tmp_path / "x.tar"), "readOnly": True},

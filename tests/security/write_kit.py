@@ -22,6 +22,14 @@ def git_repo(path: pathlib.Path) -> None:
     subprocess.run(["git", "init", "-q", str(path)], check=True, env={"PATH": "/usr/bin:/bin"})
 
 
+def steps_script(steps: Mapping[str, str]) -> str:
+    """A shell script that runs each step and prints `name=ok`, or `name=fail` and its output."""
+    return "\n".join(
+        f"if ( {cmd} ) >/tmp/log 2>&1; then echo '{k}=ok'; else echo '{k}=fail'; cat /tmp/log; fi"
+        for k, cmd in steps.items()
+    )
+
+
 def tree_state(wt: pathlib.Path) -> dict[str, tuple[int, bytes]]:
     """Every name in the worktree but the top-level scratch ones (`s_*`): its mode and content
     (a symlink's target)."""

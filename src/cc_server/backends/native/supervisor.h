@@ -340,6 +340,7 @@ bool carry_refused(const struct ccs *s, int dir_fd, const char *name, const char
                    const char **which);
 bool shape_refused(const struct ccs *s, int dir_fd, const char *name, bool replacing_by_file,
                    const char **which);
+bool completes_shape(const struct ccs *s, int dir_fd, const char *name, const char **which);
 bool path_refused(const struct ccs *s, int dir_fd, const char *name, const char **which);
 bool ancestor_refused(const struct ccs *s, int dir_fd, const char *name, const char **which);
 bool object_refused(struct req *q, int obj, const char **which);

@@ -180,6 +180,38 @@ static const char *open_action(int flags, bool exists) {
 
 static const int SETFL_KEEP = O_APPEND | O_DIRECT | O_NOATIME;
 
+/* A name HEAD, objects or refs is checked and made (or renamed to, or from; a HEAD opened with
+ * O_CREAT too) under one lock, so completes_shape sees what a create of another thread just
+ * made: two threads making the last two of the three at once would each find the other
+ * missing. The name is the last component of the path as the task passed it (the one a resolve
+ * without following the final symlink ends in); an open's is the name it resolved to. */
+static pthread_mutex_t shape_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static bool shape_last(const char *path) {
+    size_t n = strlen(path);
+    while (n > 0 && path[n - 1] == '/')
+        n--;
+    size_t start = n;
+    while (start > 0 && path[start - 1] != '/')
+        start--;
+    size_t len = n - start;
+    const char *c = path + start;
+    return (len == 4 && memcmp(c, "HEAD", 4) == 0) || (len == 7 && memcmp(c, "objects", 7) == 0) ||
+           (len == 4 && memcmp(c, "refs", 4) == 0);
+}
+
+static bool shape_lock_for(const char *a, const char *b) {
+    if (!shape_last(a) && !(b && shape_last(b)))
+        return false;
+    pthread_mutex_lock(&shape_lock);
+    return true;
+}
+
+static void shape_unlock(bool locked) {
+    if (locked)
+        pthread_mutex_unlock(&shape_lock);
+}
+
 /* Whether an open that succeeded with these flags made the file it opened (O_CREAT | O_EXCL):
  * a new regular file, so no terminal and no object of a kernel filesystem (none of them makes
  * a file by open), and the checks for those are skipped. */
@@ -228,8 +260,8 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     const char *name = slash ? slash + 1 : path;
     const char *glob;
     if (strlen(name) > NAME_MAX || strcmp(name, ".") == 0 || strcmp(name, "..") == 0 ||
-        glob_match(s, name, &glob))
-        return false; /* the walk decides */
+        glob_match(s, name, &glob) || ((flags & O_CREAT) && strcmp(name, "HEAD") == 0))
+        return false; /* the walk decides (a HEAD under shape_lock) */
     int start;
     bool owned;
     int err = beneath_start(q, dirfd, path, &start, &owned);
@@ -385,10 +417,12 @@ void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mod
     } else {
         /* A matching name may be opened only if it exists: O_CREAT is dropped, so this open
          * can never create it, whatever happens to the directory meanwhile. */
+        bool locked = (flags & O_CREAT) && shape_lock_for(r.name, NULL);
         struct stat named;
         bool named_exists = fstatat(r.dir_fd, r.name, &named, AT_SYMLINK_NOFOLLOW) == 0;
         if (path_refused(s, r.dir_fd, r.name, &glob) ||
             ((flags & O_CREAT) && !named_exists && ancestor_refused(s, r.dir_fd, r.name, &glob))) {
+            shape_unlock(locked);
             struct stat st;
             bool exists = fstatat(r.dir_fd, r.name, &st, AT_SYMLINK_NOFOLLOW) == 0;
             q->action = open_action(flags, exists);
@@ -398,6 +432,7 @@ void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mod
         }
         bool matches = glob_refused(s, r.dir_fd, r.name, &glob);
         if (matches && (flags & O_EXCL)) {
+            shape_unlock(locked);
             refuse_at(q, path, r.dir_fd, r.name, glob);
             res_close(&r);
             return;
@@ -409,6 +444,7 @@ void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mod
             f |= O_NONBLOCK;
         fd = openat(r.dir_fd, r.name, f, mode);
         err = fd < 0 ? errno : 0;
+        shape_unlock(locked);
         if (matches && err == ENOENT) {
             refuse_at(q, path, r.dir_fd, r.name, glob);
             res_close(&r);
@@ -471,6 +507,7 @@ int name_for_create(struct req *q, const char *path, struct resolved *r, bool is
     const char *glob;
     if (glob_refused(q->s, r->dir_fd, r->name, &glob) ||
         path_refused(q->s, r->dir_fd, r->name, &glob) ||
+        completes_shape(q->s, r->dir_fd, r->name, &glob) ||
         (!is_mkdir && (ancestor_refused(q->s, r->dir_fd, r->name, &glob) ||
                        carry_refused(q->s, r->dir_fd, r->name, NULL, &glob)))) {
         refuse_at(q, path, r->dir_fd, r->name, glob);
@@ -517,6 +554,7 @@ void do_mknod_mkdir(struct req *q, int dirfd, uint64_t addr, mode_t mode, dev_t 
     }
     set_umask(q->ti.umask);
     struct resolved r;
+    bool locked = shape_lock_for(path, NULL);
     err = resolve(q, dirfd, path, false, &r);
     bool refused = false;
     if (!err)
@@ -527,6 +565,7 @@ void do_mknod_mkdir(struct req *q, int dirfd, uint64_t addr, mode_t mode, dev_t 
         if (!err && is_mkdir)
             note_worktree_dir(s, r.dir_fd, r.name);
     }
+    shape_unlock(locked);
     res_close(&r);
     if (!refused)
         respond(s, q->n->id, 0, err);
@@ -548,12 +587,14 @@ void do_symlink(struct req *q, uint64_t target_addr, int dirfd, uint64_t addr) {
         return;
     }
     struct resolved r;
+    bool locked = shape_lock_for(path, NULL);
     err = resolve(q, dirfd, path, false, &r);
     bool refused = false;
     if (!err)
         err = name_for_create(q, path, &r, false, &refused);
     if (!err && !refused)
         err = symlinkat(target, r.dir_fd, r.name) < 0 ? errno : 0;
+    shape_unlock(locked);
     res_close(&r);
     if (!refused)
         respond(s, q->n->id, 0, err);
@@ -620,12 +661,14 @@ void do_link(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
     struct resolved rn;
     res_init(&rn);
     bool refused = false;
+    bool locked = shape_lock_for(newp, NULL);
     if (!err)
         err = resolve(q, newdirfd, newp, false, &rn);
     if (!err)
         err = name_for_create(q, newp, &rn, false, &refused);
     if (!err && !refused)
         err = linkat(obj, "", rn.dir_fd, rn.name, AT_EMPTY_PATH) < 0 ? errno : 0;
+    shape_unlock(locked);
     close_fd(&obj);
     res_close(&rn);
     if (!refused)
@@ -644,13 +687,10 @@ static bool is_mount_point(int dir_fd, const char *name) {
            (stx.stx_attributes & STATX_ATTR_MOUNT_ROOT);
 }
 
-void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
-               uint64_t new_addr, unsigned flags) {
+static void rename_paths(struct req *q, int olddirfd, const char *oldp, int newdirfd,
+                         const char *newp, unsigned flags) {
     struct ccs *s = q->s;
-    char oldp[PATH_MAX], newp[PATH_MAX];
     int err;
-    if (!read_two_paths(q, old_addr, oldp, new_addr, newp))
-        return;
     struct resolved ro, rn;
     res_init(&rn);
     err = resolve(q, olddirfd, oldp, false, &ro);
@@ -705,9 +745,17 @@ void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
         bool old_is_file = fstatat(ro.dir_fd, ro.name, &oldst, AT_SYMLINK_NOFOLLOW) == 0 &&
                            S_ISREG(oldst.st_mode) && !(flags & RENAME_EXCHANGE);
         if (carry_refused(s, rn.dir_fd, rn.name, (flags & RENAME_EXCHANGE) ? from : NULL, &glob) ||
-            shape_refused(s, rn.dir_fd, rn.name, old_is_file, &glob)) {
+            shape_refused(s, rn.dir_fd, rn.name, old_is_file, &glob) ||
+            completes_shape(s, rn.dir_fd, rn.name, &glob)) {
             q->action = "file-write-rename";
             refuse(q, newp, rn.name, glob);
+            res_close(&ro);
+            res_close(&rn);
+            return;
+        }
+        if ((flags & RENAME_EXCHANGE) && completes_shape(s, ro.dir_fd, ro.name, &glob)) {
+            q->action = "file-write-rename";
+            refuse(q, oldp, ro.name, glob);
             res_close(&ro);
             res_close(&rn);
             return;
@@ -727,6 +775,16 @@ void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
     res_close(&ro);
     res_close(&rn);
     respond(s, q->n->id, 0, err);
+}
+
+void do_rename(struct req *q, int olddirfd, uint64_t old_addr, int newdirfd,
+               uint64_t new_addr, unsigned flags) {
+    char oldp[PATH_MAX], newp[PATH_MAX];
+    if (!read_two_paths(q, old_addr, oldp, new_addr, newp))
+        return;
+    bool locked = shape_lock_for(newp, oldp);
+    rename_paths(q, olddirfd, oldp, newdirfd, newp, flags);
+    shape_unlock(locked);
 }
 
 /* --- changes to names and files that exist (trapped with path rules only) ----------------- */

@@ -400,6 +400,41 @@ bool shape_refused(const struct ccs *s, int dir_fd, const char *name, bool repla
     return true;
 }
 
+/* HEAD, objects or refs made (by mkdir, mknod, symlink, link or a rename onto the name) as the
+ * last of the three in a directory outside a `.git` directory: it would become a git directory
+ * whose config and hooks were written while it was not one (host git honours them). git makes
+ * the three itself only inside a `.git` directory (`git init`, `git clone`, a submodule's
+ * modules/<name>); a bare repository's HEAD outside one is refused anyway (bare_head). A
+ * directory that is shaped already is shape_refused's. */
+#define SHAPE_COMPLETED "the last of HEAD, objects and refs in a directory outside a .git " \
+                        "directory: host git would take it for a repository whose config and " \
+                        "hooks were written before"
+static bool is_shape_name(const char *name) {
+    return strcmp(name, "HEAD") == 0 || strcmp(name, "objects") == 0 || strcmp(name, "refs") == 0;
+}
+
+bool completes_shape(const struct ccs *s, int dir_fd, const char *name, const char **which) {
+    if (s->npats == 0 || !is_shape_name(name) || gitdir_shaped(dir_fd))
+        return false;
+    struct stat st;
+    bool head = strcmp(name, "HEAD") == 0;
+    bool others = head ? dir_or_link(dir_fd, "objects") && dir_or_link(dir_fd, "refs")
+                       : fstatat(dir_fd, "HEAD", &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+                             S_ISREG(st.st_mode) &&
+                             dir_or_link(dir_fd, strcmp(name, "refs") == 0 ? "objects" : "refs");
+    if (!others)
+        return false;
+    if (!judge_path(dir_fd, name)) {
+        *which = PATH_UNKNOWN_CARRY;
+        return true;
+    }
+    const char *rel = rel_below_root(s, judged);
+    if (rel == NULL || in_git_dir(rel))
+        return false;
+    *which = SHAPE_COMPLETED;
+    return true;
+}
+
 /* Whether a directory, or one of its nearest ancestors, is a git directory (HEAD is git's
  * there: logs/HEAD, refs/remotes/x/HEAD, a separate gitdir's own HEAD). */
 static bool in_shaped_gitdir(int dir_fd) {
@@ -511,7 +546,8 @@ bool path_refused(const struct ccs *s, int dir_fd, const char *name, const char 
     if (!full_path_refused(s, judged, base ? base + 1 : judged, which))
         return gitdir_refused(s, dir_fd, name, which);
     if (strcmp(*which, BARE_HEAD) == 0 && name[0] && in_shaped_gitdir(dir_fd))
-        return false; /* a HEAD of a git directory that already is one */
+        /* a HEAD of a git directory that already is one, unless it would make another */
+        return completes_shape(s, dir_fd, name, which);
     return !(name[0] && strncmp(*which, WORKTREE_PATTERNS, strlen(WORKTREE_PATTERNS)) == 0 &&
              own_worktree((struct ccs *)s, dir_fd));
 }
