@@ -250,3 +250,12 @@ async def drop_sandbox(server: Server, session_id: str) -> None:
     """Destroy the sandbox `session_id` (idempotent)."""
     async with server.client() as http, http.delete(f"/v1/sandboxes/{session_id}"):
         pass
+
+
+def rss_bytes(pid: int) -> int:
+    """The resident memory of process `pid` now (VmRSS), in bytes."""
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")

@@ -15,7 +15,14 @@ from typing import Any
 
 import aiohttp
 import pytest
-from server_kit import Server, host_pids_with, kill_marked, running_server, wait_until_gone
+from server_kit import (
+    Server,
+    host_pids_with,
+    kill_marked,
+    rss_bytes,
+    running_server,
+    wait_until_gone,
+)
 
 from cc_server.server.exec_api import SESSION_INPUT_QUEUE, SESSION_MAX_COMMANDS
 
@@ -276,14 +283,6 @@ async def test_closing_the_stream_mid_command_leaves_no_process(
                     if (await response.json())["state"] == "warm":
                         break
                 await asyncio.sleep(0.05)
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 async def test_a_flood_left_unread_is_held_back_then_delivered_whole(

@@ -1,10 +1,11 @@
 """Attacks on the server's session stream (GET /v1/sandboxes/{id}/session/ws) by a client that
-holds the token: a stream kept open across its sandbox's destruction, to reach a new sandbox
-that took its id."""
+holds the token: stdin sent to commands that never read it, to make the server hold it, and a
+stream kept open across its sandbox's destruction, to reach a new sandbox that took its id."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import pathlib
 import secrets
 from collections.abc import AsyncIterator, Iterator
@@ -12,11 +13,23 @@ from typing import Any
 
 import aiohttp
 import pytest
-from server_kit import Server, drop_sandbox, frame_until, kill_marked, new_sandbox, running_server
+from server_kit import (
+    Server,
+    drop_sandbox,
+    frame_until,
+    kill_marked,
+    new_sandbox,
+    rss_bytes,
+    running_server,
+)
+
+from cc_server.server.exec_api import SESSION_INPUT_QUEUE
 
 pytestmark = pytest.mark.integration
 
 TIMEOUT_S = 60.0  # hang guard for frames that come in well under a second
+HELD_MAX_BYTES = 40 * 2**20  # what one stream may make the server hold (as for its output)
+CHUNK = "a" * (2 * 2**20)  # one stdin message: 2 MiB, half of aiohttp's largest message
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +52,69 @@ def sleep_marker() -> Iterator[str]:
     value = str(400000 + secrets.randbelow(500000))  # a unique `sleep` duration, found in /proc
     yield value
     kill_marked(f"sleep\x00{value}")
+
+
+async def _flood_until_refused(
+    ws: aiohttp.ClientWebSocketResponse, command_id: str
+) -> dict[str, Any] | None:
+    """Send CHUNK after CHUNK to `command_id` (more messages than may wait); the first frame
+    that answers, or None when none came."""
+    for _ in range(SESSION_INPUT_QUEUE + 8):
+        await ws.send_json({"id": command_id, "stdin": CHUNK})
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.05):
+                answer: dict[str, Any] = (await ws.receive()).json()
+                return answer
+    return None
+
+
+async def test_stdin_nobody_reads_is_held_within_a_bound(
+    server: Server, sandbox: str, sleep_marker: str
+) -> None:
+    """A command that never reads its stdin, sent message after message of it: the server holds
+    a bounded number of bytes for it, then refuses (429), and its memory stays bounded."""
+    url = f"{server.ws_url}/v1/sandboxes/{sandbox}/session/ws"
+    async with aiohttp.ClientSession(headers=server.auth) as session, \
+            session.ws_connect(url, max_msg_size=0) as ws:  # fmt: skip
+        await ws.send_json({"id": "deaf", "exec": {"argv": ["sleep", sleep_marker]}})
+        await frame_until(ws, "ready", "deaf")
+        before = rss_bytes(server.proc.pid)
+        refused = await _flood_until_refused(ws, "deaf")
+        await asyncio.sleep(1.0)
+        held = rss_bytes(server.proc.pid) - before
+    assert refused is not None, "every message was taken"
+    assert (refused["type"], refused["status"], refused["error"], refused["id"]) == (
+        "error", 429, "LimitReached", "deaf"), refused  # fmt: skip
+    assert held < HELD_MAX_BYTES, f"the server holds {held / 2**20:.0f} MiB of stdin"
+
+
+async def test_stdin_spread_over_many_commands_is_held_within_a_bound(
+    server: Server, sandbox: str, sleep_marker: str
+) -> None:
+    """Many commands that never read their stdin, one message of it each (each within what one
+    command may have waiting): the stream as a whole holds a bounded number of bytes, and the
+    messages past that are refused (429)."""
+    url = f"{server.ws_url}/v1/sandboxes/{sandbox}/session/ws"
+    ids = [f"deaf{n}" for n in range(24)]  # 48 MiB sent
+    answers: list[dict[str, Any]] = []
+    async with aiohttp.ClientSession(headers=server.auth) as session, \
+            session.ws_connect(url, max_msg_size=0) as ws:  # fmt: skip
+        for command_id in ids:
+            await ws.send_json({"id": command_id, "exec": {"argv": ["sleep", sleep_marker]}})
+            await frame_until(ws, "ready", command_id)
+        before = rss_bytes(server.proc.pid)
+        for command_id in ids:
+            await ws.send_json({"id": command_id, "stdin": CHUNK})
+        with contextlib.suppress(TimeoutError):
+            while True:  # every answer, until none came for a second
+                async with asyncio.timeout(1.0):
+                    answers.append((await ws.receive()).json())
+        held = rss_bytes(server.proc.pid) - before
+    assert answers, "every message was taken"
+    for refused in answers:
+        assert (refused["type"], refused["status"], refused["error"]) == (
+            "error", 429, "LimitReached"), refused  # fmt: skip
+    assert held < HELD_MAX_BYTES, f"the server holds {held / 2**20:.0f} MiB of stdin"
 
 
 async def test_a_stream_does_not_follow_its_sandbox_id_to_a_new_sandbox(

@@ -13,7 +13,9 @@ further message is refused (Closed, 409), and a new sandbox that took the id is 
 Memory per stream is bounded: a command's output waits in its execution's bounded queue, and in
 the socket's buffer only until the client takes it (a client that stops reading stops the
 command's output, not the server); client messages for one command queue up to
-SESSION_INPUT_QUEUE.
+SESSION_INPUT_QUEUE, and the stdin not written yet (an exec's own stdin included) is held up to
+SESSION_STDIN_BYTES per command and SESSION_STREAM_STDIN_BYTES per stream: past either, the
+message is refused (LimitReached, 429), never buffered.
 """
 
 from __future__ import annotations
@@ -51,7 +53,13 @@ from cc_server.server.models import ExecRequest, ExecStreamInput, SessionStreamI
 from cc_server.server.state import STATE, ServerState
 from cc_server.server.status import CLOSED_STATUS, LIMIT_STATUS, Refused, error_body, refusal
 
-__all__ = ["SESSION_INPUT_QUEUE", "SESSION_MAX_COMMANDS", "routes"]
+__all__ = [
+    "SESSION_INPUT_QUEUE",
+    "SESSION_MAX_COMMANDS",
+    "SESSION_STDIN_BYTES",
+    "SESSION_STREAM_STDIN_BYTES",
+    "routes",
+]
 
 FIRST_MESSAGE_TIMEOUT_S: Final = 30.0  # the exec WebSocket's ExecRequest must arrive by then
 # Commands running at once on one session stream; one more is refused (LimitReached), so a
@@ -60,6 +68,13 @@ SESSION_MAX_COMMANDS: Final = 64
 # Client messages for one command not applied yet (it is still starting, or its stdin pipe is
 # full); one more is refused with an error frame, never buffered.
 SESSION_INPUT_QUEUE: Final = 64
+# Stdin bytes not written yet, held for one command: what the exec WebSocket holds for its one
+# command (aiohttp's largest message, read only once the one before it was written) ...
+SESSION_STDIN_BYTES: Final = 4 * 2**20
+# ... and for all the commands of one stream: two commands' worth, so that with the messages
+# being decoded the server's memory grows by well under what a stream's output flood may make
+# it hold (40 MiB, tests/functional/test_server_session_stream.py).
+SESSION_STREAM_STDIN_BYTES: Final = 8 * 2**20
 SESSION_POLL_S: Final = 1.0  # how often an idle session stream checks that its sandbox lives
 
 routes = web.RouteTableDef()
@@ -259,6 +274,7 @@ class _Command:
         default_factory=lambda: asyncio.Queue(SESSION_INPUT_QUEUE))  # (stdin data, close)
     execution: Execution | None = None  # set once it runs
     kill: str | None = None  # a kill asked for before it ran: the reason
+    held: int = 0  # stdin bytes taken for it and not written yet
 
 
 class _SessionStream:
@@ -271,6 +287,7 @@ class _SessionStream:
         self._handle = handle
         self._commands: dict[str, _Command] = {}
         self._closing = False
+        self._held = 0  # stdin bytes taken for the stream's commands and not written yet
 
     async def _error(self, command_id: str | None, status: int, body: dict[str, Any]) -> None:
         await _send(self._ws, {"type": "error", "id": command_id, "status": status, **body})
@@ -361,9 +378,32 @@ class _SessionStream:
             raise Refused(LIMIT_STATUS, "LimitReached",
                            f"{SESSION_MAX_COMMANDS} commands are running on this stream",
                            "wait for one to exit, or open another stream")
+        initial = _stdin_bytes(req.stdin, req.stdin_base64)
         command = _Command(command_id)
+        self._hold(command, initial)
         self._commands[command_id] = command
-        tg.create_task(self._run(command, req), name=f"session stream command {command_id}")
+        req = msgspec.structs.replace(req, stdin=None, stdin_base64=None)  # fed as it runs
+        tg.create_task(self._run(command, req, initial),
+                       name=f"session stream command {command_id}")
+
+    def _hold(self, command: _Command, data: bytes | None) -> None:
+        """Count `data` as held for `command`; a Refused (LimitReached) past either budget."""
+        size = len(data or b"")
+        if command.held + size > SESSION_STDIN_BYTES:
+            raise Refused(LIMIT_STATUS, "LimitReached", f"{command.held} bytes of stdin for "
+                          f"{command.id!r} wait already (at most {SESSION_STDIN_BYTES})",
+                          "let the command read its stdin first")
+        if self._held + size > SESSION_STREAM_STDIN_BYTES:
+            raise Refused(LIMIT_STATUS, "LimitReached", f"{self._held} bytes of stdin wait on "
+                          f"this stream already (at most {SESSION_STREAM_STDIN_BYTES})",
+                          "let its commands read their stdin first, or open another stream")
+        command.held += size
+        self._held += size
+
+    def _release(self, command: _Command, size: int) -> None:
+        size = min(size, command.held)  # none once the command was forgotten
+        command.held -= size
+        self._held -= size
 
     def _input(self, msg: SessionStreamInput, tg: asyncio.TaskGroup) -> None:
         command = None if msg.id is None else self._commands.get(msg.id)
@@ -373,12 +413,12 @@ class _SessionStream:
         data = _stdin_bytes(msg.stdin, msg.stdin_base64) if (
             msg.stdin is not None or msg.stdin_base64 is not None) else None
         if data is not None or msg.stdin_close:
-            try:
-                command.inbox.put_nowait((data, msg.stdin_close))
-            except asyncio.QueueFull:
+            if command.inbox.full():
                 raise Refused(LIMIT_STATUS, "LimitReached",
                                f"{SESSION_INPUT_QUEUE} messages for {command.id!r} wait already",
-                               "let the command read its stdin first") from None
+                               "let the command read its stdin first")
+            self._hold(command, data)
+            command.inbox.put_nowait((data, msg.stdin_close))
         if msg.kill:
             if command.execution is None:
                 command.kill = "manual"  # applied once it runs
@@ -386,14 +426,14 @@ class _SessionStream:
                 tg.create_task(command.execution.kill(reason="manual"),
                                name=f"session stream kill {command.id}")
 
-    async def _run(self, command: _Command, req: ExecRequest) -> None:
+    async def _run(self, command: _Command, req: ExecRequest, initial: bytes | None) -> None:
         try:
             if self._state.shutting_down:
                 raise Refused(503, "ShuttingDown", "the server is shutting down")
             if self._sandbox_gone():
                 raise self._closed()
             async with _running(self._state, self._handle, req,
-                                interactive=True) as (execution, initial):
+                                interactive=True) as (execution, _):
                 command.execution = execution
                 if self._closing or command.kill is not None:
                     await execution.kill(reason="disconnected" if self._closing
@@ -423,17 +463,24 @@ class _SessionStream:
             self._forget(command)
 
     def _forget(self, command: _Command) -> None:
+        self._release(command, command.held)  # what still waits for it is dropped
         if self._commands.get(command.id) is command:  # not a later command of the same id
             del self._commands[command.id]
 
-    @staticmethod
-    async def _feed(command: _Command, execution: Execution, initial: bytes | None) -> None:
+    async def _feed(self, command: _Command, execution: Execution,
+                    initial: bytes | None) -> None:
         if initial:
-            await _write_stdin(execution, initial)
+            try:
+                await _write_stdin(execution, initial)
+            finally:
+                self._release(command, len(initial))
         while True:
             data, close = await command.inbox.get()
             if data:
-                await _write_stdin(execution, data)
+                try:
+                    await _write_stdin(execution, data)
+                finally:
+                    self._release(command, len(data))
             if close:
                 execution.close_stdin()
 

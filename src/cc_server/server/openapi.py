@@ -9,7 +9,12 @@ import msgspec
 
 from cc_server import __version__
 from cc_server.server.dispatch_api import REQUEST_MODELS, openapi_paths
-from cc_server.server.exec_api import SESSION_INPUT_QUEUE, SESSION_MAX_COMMANDS
+from cc_server.server.exec_api import (
+    SESSION_INPUT_QUEUE,
+    SESSION_MAX_COMMANDS,
+    SESSION_STDIN_BYTES,
+    SESSION_STREAM_STDIN_BYTES,
+)
 from cc_server.server.models import (
     CreateSandboxRequest,
     EgressAnswerRequest,
@@ -169,13 +174,16 @@ def _paths() -> dict[str, Any]:
                     "an unknown or running id, a refused exec: that command never ran) gets "
                     '`{"type": "error", "id", "status", "error", "message", "fix"}` (id null '
                     "when none could be read) and the stream goes on. At most "
-                    f"{SESSION_MAX_COMMANDS} commands run at once on one stream, and "
-                    f"{SESSION_INPUT_QUEUE} messages wait per command (LimitReached, 429, "
-                    "past either). Closing the socket kills every command still running on it "
-                    "(reason disconnected). A stream is bound to the sandbox it was opened on: "
-                    "once that sandbox is destroyed its commands end, every further message gets "
-                    "a Closed (409) error frame (a new sandbox that took the id is never "
-                    "reached), and the server closes the stream once no command runs. An "
+                    f"{SESSION_MAX_COMMANDS} commands run at once on one stream, "
+                    f"{SESSION_INPUT_QUEUE} messages wait per command, and stdin not written "
+                    f"yet (an exec's own included) is held up to {SESSION_STDIN_BYTES} bytes "
+                    f"per command and {SESSION_STREAM_STDIN_BYTES} per stream (LimitReached, "
+                    "429, past any of them: that message is not taken). Closing the socket "
+                    "kills every command still running on it (reason disconnected). A stream "
+                    "is bound to the sandbox it was opened on: once that sandbox is destroyed "
+                    "its commands end, every further message gets a Closed (409) error frame "
+                    "(a new sandbox that took the id is never reached), and the server closes "
+                    "the stream once no command runs. An "
                     "unknown sandbox gets one ErrorBody message and close code 4404. The exec "
                     "WebSocket stays for one command at a time."
                 ),
