@@ -187,3 +187,22 @@ def test_a_request_for_another_verb_neither_ends_the_daemon_nor_runs(
     ok = client("run", "--", "sh", "-c", "echo still", env=env, cwd=work)
     assert ok.returncode == 0 and ok.stdout == "still\n", ok.stderr
     assert daemon_pids(runtime) == [pid]
+
+
+def test_a_bound_directory_replaced_while_the_spare_starts_is_the_new_one(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    """The user moves a bound directory away and makes a new one right after a run, while the
+    daemon starts the spare: the next run must see the new directory."""
+    args = ("run", "--bind", str(work), "--", "sh", "-c", f"cat {work}/which")
+    for attempt in range(10):
+        (work / "which").write_text(f"old-{attempt}\n")
+        first = client(*args, env=env, cwd=tmp_path)
+        assert first.returncode == 0 and first.stdout == f"old-{attempt}\n", first.stderr
+        assert wait_for(lambda: len(bwrap_binding(work)) == 1)  # its bwrap runs: binds made
+        work.rename(tmp_path / f"moved-away-{attempt}")
+        work.mkdir()
+        (work / "which").write_text(f"new-{attempt}\n")
+        second = client(*args, env=env, cwd=tmp_path)
+        assert second.returncode == 0 and second.stdout == f"new-{attempt}\n", (attempt, second)
+        assert wait_for(lambda: len(bwrap_binding(work)) <= 1)

@@ -37,6 +37,7 @@ from typing import Final
 from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import wait_writable
 from cc_server.backends.handoff import Launched, launch
+from cc_server.backends.identity import STAGE_DIR
 from cc_server.backends.peer import SandboxPeers
 from cc_server.backends.plan import LaunchPlan, SandboxIdentity, SessionCommand
 from cc_server.backends.supervisor import (
@@ -161,6 +162,7 @@ class SessionSandbox:
         self._stderr_task: asyncio.Task[None] | None = None
         self._launcher_pid: int | None = None  # its PID 1, as the host sees it
         self._mounts: bytes | None = None  # its mount table when it started
+        self._binds = _host_binds(plan)  # host paths bound at their own path
         self._rules: CreateRuleSupervisor | None = None
         self._on_report: Callable[[Report], None] | None = None  # a refusal of no known command
         self._keepers: dict[int, int] = {}  # a keeper's pid in the sandbox -> its request
@@ -202,6 +204,11 @@ class SessionSandbox:
         namespace (a secret's mask, a read-only `.git/hooks`), and a bound directory deleted on
         the host stays bound, marked deleted. A sandbox per command would not see either; this
         one is then replaced.
+
+        The table alone cannot show a bound directory the host moved away and replaced while
+        the sandbox started (before its table was first read: the moved mount is in that table
+        already), so each host path bound at its own path must also still be, now, the very
+        file the sandbox has there (same device and inode); one that cannot be checked is not.
         """
         return (
             plan.argv == self.plan.argv
@@ -209,6 +216,7 @@ class SessionSandbox:
             and self._mounts is not None
             and self._launcher_pid is not None
             and _mount_table(self._launcher_pid) == self._mounts
+            and _bound_as_on_host(self._launcher_pid, self._binds)
         )
 
     @classmethod
@@ -463,6 +471,48 @@ def _only_child(pid: int) -> int | None:
     except OSError:
         return None
     return int(children[0]) if len(children) == 1 else None
+
+
+def _host_binds(plan: LaunchPlan) -> tuple[str, ...]:
+    """The sandbox paths where `plan` binds the host path of the same name: bwrap's `--bind` and
+    `--ro-bind` options up to its `--`, a source staged by another identity's helper from one of
+    its `--map` roots named as that root's path."""
+    words, roots = list(plan.argv), []
+    if plan.identity is not None and "--" in words:
+        end = words.index("--")  # the identity helper's own options, then bwrap's argv
+        roots = [words[i + 1] for i in range(end - 1) if words[i] == "--map"]
+        words = words[end + 1 :]
+    found: list[str] = []
+    for i, word in enumerate(words):
+        if word == "--":
+            break
+        if word in ("--bind", "--ro-bind") and i + 2 < len(words):
+            source, target = words[i + 1], words[i + 2]
+            if (isinstance(source, str) and isinstance(target, str)
+                    and _unstaged(source, roots) == target and target not in found):
+                found.append(target)
+    return tuple(found)
+
+
+def _unstaged(source: str, roots: Sequence[object]) -> str:
+    """The host path a bind source stands for: a stage of the i-th root is below that root."""
+    for i, root in enumerate(roots):
+        stage = f"{STAGE_DIR}/{i}"
+        if isinstance(root, str) and (source == stage or source.startswith(f"{stage}/")):
+            return root + source[len(stage) :]
+    return source
+
+
+def _bound_as_on_host(pid: int, paths: Sequence[str]) -> bool:
+    """Whether each of `paths` is, in `pid`'s mount namespace, the file the host has there now."""
+    for path in paths:
+        try:
+            host, inside = os.stat(path), os.stat(f"/proc/{pid}/root{path}")
+        except OSError:
+            return False
+        if (host.st_dev, host.st_ino) != (inside.st_dev, inside.st_ino):
+            return False
+    return True
 
 
 def _mount_table(pid: int) -> bytes | None:
