@@ -23,7 +23,7 @@ from server_kit import (
     running_server,
 )
 
-from cc_server.server.exec_api import SESSION_INPUT_QUEUE
+from cc_server.server.exec_api import SESSION_INPUT_QUEUE, SESSION_STREAM_STDIN_BYTES
 
 pytestmark = pytest.mark.integration
 
@@ -115,6 +115,29 @@ async def test_stdin_spread_over_many_commands_is_held_within_a_bound(
         assert (refused["type"], refused["status"], refused["error"]) == (
             "error", 429, "LimitReached"), refused  # fmt: skip
     assert held < HELD_MAX_BYTES, f"the server holds {held / 2**20:.0f} MiB of stdin"
+
+
+async def test_the_stdin_of_exec_messages_counts_toward_the_bound(
+    server: Server, sandbox: str, sleep_marker: str
+) -> None:
+    """Commands started with stdin in their exec message, none of them reading it: that stdin
+    waits too, so past the stream's bound the next such exec is refused (429) and never runs."""
+    url = f"{server.ws_url}/v1/sandboxes/{sandbox}/session/ws"
+    stdin = "a" * (3 * 2**20)  # with its JSON, under aiohttp's 4 MiB message
+    argv = ["sleep", sleep_marker]
+    async with aiohttp.ClientSession(headers=server.auth) as session, \
+            session.ws_connect(url, max_msg_size=0) as ws:  # fmt: skip
+        for n in range(SESSION_STREAM_STDIN_BYTES // len(stdin)):
+            await ws.send_json({"id": f"fed{n}", "exec": {"argv": argv, "stdin": stdin}})
+            await frame_until(ws, "ready", f"fed{n}")
+        await ws.send_json({"id": "one-more", "exec": {"argv": argv, "stdin": stdin}})
+        async with asyncio.timeout(TIMEOUT_S):  # its refusal, or the frames of its start
+            while (refused := (await ws.receive()).json()).get("id") != "one-more":
+                pass
+        assert refused["type"] == "error", f"the exec past the bound ran: {refused}"
+        assert (refused["status"], refused["error"]) == (429, "LimitReached"), refused
+        await ws.send_json({"id": "small", "exec": {"argv": ["true"], "stdin": "x"}})
+        assert (await frame_until(ws, "exit", "small"))["exitCode"] == 0  # the stream goes on
 
 
 async def test_a_stream_does_not_follow_its_sandbox_id_to_a_new_sandbox(
