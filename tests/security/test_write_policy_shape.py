@@ -70,6 +70,10 @@ async def test_a_directory_is_not_made_a_repository_after_its_config_was_written
 COMPLETIONS: dict[str, tuple[tuple[str, ...], str, str, str]] = {
     "mkdir-objects": (("refs",), "os.mkdir('shaped/objects')", "file-write-create", "objects"),
     "mkdir-refs": (("objects",), "os.mkdir('shaped/refs')", "file-write-create", "refs"),
+    # Beside a symlinked HEAD (git takes its directory as well).
+    "mkdir-objects-beside-a-symlinked-head": (
+        ("HEAD:symlink", "refs"), "os.mkdir('shaped/objects')", "file-write-create", "objects",
+    ),
     "rename-refs": (
         ("objects",), "os.makedirs('plain/refs')\nos.rename('plain/refs', 'shaped/refs')",
         "file-write-rename", "refs",
@@ -121,7 +125,10 @@ async def test_the_last_of_objects_and_refs_is_refused_beside_a_host_head(
     (wt / "shaped").mkdir()
     (wt / "shaped" / "HEAD").write_text(HEAD_TEXT)
     for entry in has:
-        if entry.endswith(":file"):
+        if entry == "HEAD:symlink":
+            (wt / "shaped" / "HEAD").unlink()
+            (wt / "shaped" / "HEAD").symlink_to("refs/heads/main")
+        elif entry.endswith(":file"):
             (wt / "shaped" / entry.removesuffix(":file")).write_text("not a directory\n")
         else:
             (wt / "shaped" / entry).mkdir()
@@ -131,6 +138,23 @@ async def test_the_last_of_objects_and_refs_is_refused_beside_a_host_head(
     assert not _host_takes_it(wt / "shaped"), out
     assert refusals(handle) == [(action, f"{wt}/shaped/{refused}")], (refusals(handle), out)
     assert REASON in handle.violations[0].reason
+
+
+async def test_a_git_directory_with_a_symlinked_head_keeps_its_config(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    # A host repository whose HEAD is a symlink (core.preferSymlinkRefs) is a git directory by
+    # its shape too: its config is not written.
+    linked = sb.worktree / "linked"
+    (linked / "refs" / "heads").mkdir(parents=True)
+    (linked / "objects").mkdir()
+    (linked / "HEAD").symlink_to("refs/heads/main")
+    assert _host_takes_it(linked)  # the control: host git takes it
+    body = "open('linked/config', 'w').write('[core]\\n\\tfsmonitor = touch /tmp/pwned\\n')\n"
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=refused [Errno 13]" in out, out
+    assert not (linked / "config").exists(), out
+    assert refusals(handle) == [("file-write-create", f"{linked}/config")], out
 
 
 async def test_a_head_below_a_bare_repository_is_refused_where_it_would_make_another(

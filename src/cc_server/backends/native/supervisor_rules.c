@@ -362,7 +362,7 @@ bool carry_refused(const struct ccs *s, int dir_fd, const char *name, const char
 }
 
 /* A repository's git directory by its shape, whatever its name (a `--separate-git-dir` store, a
- * bare repository, a bind whose root is a `.git`): a regular HEAD, objects/ and refs/. Its
+ * bare repository, a bind whose root is a `.git`): a HEAD (head_file), objects/ and refs/. Its
  * config, commondir, config.worktree, hooks/ and modules/, and a linked worktree's commondir
  * and config.worktree below its worktrees/, are protected as a `.git`'s are. Looked at only
  * when the judged path has one of those names in it, so a create elsewhere pays a string
@@ -375,10 +375,16 @@ static bool dir_or_link(int fd, const char *name) {
            (S_ISDIR(st.st_mode) || S_ISLNK(st.st_mode));
 }
 
-static bool gitdir_shaped(int fd) {
+/* A HEAD git reads: a regular file, or a symlink (`HEAD -> refs/heads/main`, what
+ * core.preferSymlinkRefs makes; git's discovery takes its directory too). */
+static bool head_file(int fd) {
     struct stat st;
-    return fstatat(fd, "HEAD", &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
-           dir_or_link(fd, "objects") && dir_or_link(fd, "refs");
+    return fstatat(fd, "HEAD", &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+           (S_ISREG(st.st_mode) || S_ISLNK(st.st_mode));
+}
+
+static bool gitdir_shaped(int fd) {
+    return head_file(fd) && dir_or_link(fd, "objects") && dir_or_link(fd, "refs");
 }
 
 /* HEAD, objects and refs of a git directory: what makes its shape. Removed or moved away (and
@@ -416,11 +422,9 @@ static bool is_shape_name(const char *name) {
 bool completes_shape(const struct ccs *s, int dir_fd, const char *name, const char **which) {
     if (s->npats == 0 || !is_shape_name(name) || gitdir_shaped(dir_fd))
         return false;
-    struct stat st;
     bool head = strcmp(name, "HEAD") == 0;
     bool others = head ? dir_or_link(dir_fd, "objects") && dir_or_link(dir_fd, "refs")
-                       : fstatat(dir_fd, "HEAD", &st, AT_SYMLINK_NOFOLLOW) == 0 &&
-                             S_ISREG(st.st_mode) &&
+                       : head_file(dir_fd) &&
                              dir_or_link(dir_fd, strcmp(name, "refs") == 0 ? "objects" : "refs");
     if (!others)
         return false;
