@@ -307,7 +307,8 @@ class _SessionStream:
 
     def _closed(self) -> Refused:
         return Refused(CLOSED_STATUS, "Closed", f"the sandbox {self._handle.session_id!r} this "
-                       "stream was opened on was destroyed", "open a stream on a live sandbox")
+                       "stream was opened on was destroyed or failed",
+                       "open a stream on a live sandbox")
 
     def _kill_all(self, tg: asyncio.TaskGroup, reason: str) -> None:
         for command in list(self._commands.values()):
