@@ -172,7 +172,8 @@ class _Daemon:
         fds: list[int] = []
         try:
             client.setblocking(False)
-            request, fds = await _receive(client, max_fds=3)
+            # A client sends its request at once: one that sends nothing is dropped as well.
+            request, fds = await _receive(client, max_fds=3, first_byte_s=MESSAGE_TIMEOUT_S)
             if request.get("stop"):
                 self.stopping = True
                 send_message(client, {"stopping": True})
@@ -421,14 +422,18 @@ def _parse(request: dict[str, Any], err: Any, parser: Any = None) -> tuple[Any, 
         os.chdir(here)
 
 
-async def _receive(client: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any], list[int]]:
+async def _receive(
+    client: socket.socket, max_fds: int = 0, first_byte_s: float | None = None
+) -> tuple[dict[str, Any], list[int]]:
     """One message from the non-blocking `client` (and up to `max_fds` descriptors sent with
     it), read with the loop: a client that stalls mid-message holds up only itself, and is
-    dropped (TimeoutError) when the rest has not come `MESSAGE_TIMEOUT_S` after its first byte.
-    Raises as `cli_socket.receive_message`; the descriptors are closed whenever it raises."""
+    dropped (TimeoutError) when the rest has not come `MESSAGE_TIMEOUT_S` after its first byte
+    (or its first byte not within `first_byte_s`, when given). Raises as
+    `cli_socket.receive_message`; the descriptors are closed whenever it raises."""
     fds: list[int] = []
     try:
-        await wait_readable(client)
+        async with asyncio.timeout(first_byte_s):
+            await wait_readable(client)
         async with asyncio.timeout(MESSAGE_TIMEOUT_S):
             header = await _read(client, HEADER_BYTES, fds, max_fds)
             body = await _read(client, message_size(header), fds, 0)

@@ -99,6 +99,31 @@ def test_stalled_connections_do_not_hold_up_another_run(
             sock.close()
 
 
+def test_connections_that_send_nothing_are_dropped(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
+) -> None:
+    """Connected and silent: each is closed by the daemon, its descriptor with it, and the
+    daemon still serves and exits when idle (no client holds it)."""
+    pid, path = served_daemon(env, runtime, work)
+    time.sleep(1.0)  # the spare has started
+    before = open_fds(pid)
+    silent = []
+    try:
+        for _ in range(20):
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.connect(path)
+            silent.append(sock)
+        for sock in silent:
+            sock.settimeout(PROMPT_S)
+            assert sock.recv(100) == b""  # closed by the daemon, unanswered
+        assert wait_for(lambda: open_fds(pid) <= before), (before, open_fds(pid))
+        ok = client("run", "--", "sh", "-c", "echo served", env=env, cwd=work, timeout=PROMPT_S)
+        assert ok.returncode == 0 and ok.stdout == "served\n", ok.stderr
+    finally:
+        for sock in silent:
+            sock.close()
+
+
 def test_a_stalled_running_client_does_not_hold_up_another_run(
     env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
 ) -> None:
