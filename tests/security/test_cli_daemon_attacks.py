@@ -33,6 +33,11 @@ from test_review_2026_12_02 import (
     wait_for,
 )
 
+from cc_server.backends.identity import STAGE_DIR
+from cc_server.backends.plan import LaunchPlan, SandboxIdentity
+from cc_server.policy import SandboxBackend
+from cc_server.runtime.session_sandbox import _host_binds
+
 pytestmark = pytest.mark.integration
 
 # The review's fixtures, each test's own daemon.
@@ -231,3 +236,23 @@ def test_a_bound_directory_replaced_while_the_spare_starts_is_the_new_one(
         second = client(*args, env=env, cwd=tmp_path)
         assert second.returncode == 0 and second.stdout == f"new-{attempt}\n", (attempt, second)
         assert wait_for(lambda: len(bwrap_binding(work)) <= 1)
+
+
+def test_the_host_paths_a_sandbox_binds_are_read_from_its_plan_with_and_without_an_identity() -> (
+    None
+):
+    """What `same_sandbox` compares with the host: each host path bound at its own path, for a
+    sandbox of the server's uid and for one of another identity (whose sources are stages)."""
+    bwrap = ("/usr/bin/bwrap", "--ro-bind", "/usr", "/usr", "--ro-bind", "/dev/null", "/etc/x",
+             "--bind", "/w", "/w", "--ro-bind", "/w/.git/hooks", "/w/.git/hooks",
+             "--ro-bind", "/opt/launcher", "/run/launcher", "--", "/run/launcher", "--bind",
+             "/a", "/a")  # fmt: skip
+    plain = LaunchPlan(backend=SandboxBackend.NATIVE, argv=bwrap, env=())
+    assert _host_binds(plain) == ("/usr", "/w", "/w/.git/hooks")
+    staged = ("cc-identity", "--uid", "5", "--gid", "5", "--stage", STAGE_DIR, "--map", "/w",
+              "--map", "/opt/launcher", "--", *bwrap[:7], "--bind", f"{STAGE_DIR}/0", "/w",
+              "--ro-bind", f"{STAGE_DIR}/0/.git/hooks", "/w/.git/hooks", "--ro-bind",
+              f"{STAGE_DIR}/1", "/run/launcher", *bwrap[16:])  # fmt: skip
+    other = LaunchPlan(backend=SandboxBackend.NATIVE, argv=staged, env=(),
+                       identity=SandboxIdentity(helper="cc-identity", uid=5, gid=5))
+    assert _host_binds(other) == ("/usr", "/w", "/w/.git/hooks")
