@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 from escape_kit import Sandboxes, attempts, outcomes, output
 
+from cc_server.backends import handoff
 from cc_server.errors import BackendUnavailable
 from cc_server.policy import STANDARD_DENY_CREATE_GLOBS, Mode, SandboxBackend, parse_spec
-from cc_server.runtime import handle as handle_module
 from cc_server.runtime.port import SandboxManager
 from cc_server.runtime.select import WRITE_PROTECTION_ENV
 
@@ -147,8 +147,8 @@ async def test_create_time_globs_without_the_supervisor_are_refused_before_anyth
     globs: tuple[str, ...],
     backend: SandboxBackend | None,
 ) -> None:
-    spy = _SpawnSpy(handle_module.start)
-    monkeypatch.setattr(handle_module, "start", spy)
+    spy = _SpawnSpy(handoff.start)  # the one spawner of a sandbox (backends/handoff.py)
+    monkeypatch.setattr(handoff, "start", spy)
     spec = parse_spec(sb.spec(sessionId="globbed"))
     manager = _without_create_rules(sb)
     try:
