@@ -13,17 +13,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import io
 import os
 import re
 import stat
 from collections.abc import Mapping
-from typing import Final
+from typing import Final, Protocol
 
 from cc_server.errors import EnforcementFailed
 from cc_server.policy.paths import is_within
 
 __all__ = [
     "BASE_DIR_NAME",
+    "Reader",
     "base_dir_views",
     "egress_base_dir",
     "forget_server_token",
@@ -38,6 +40,62 @@ BASE_DIR_NAME: Final = "cc-server"
 REGISTRY_NAME: Final = "bases"  # in the canonical base: one file per other base, naming it
 MAX_REGISTERED: Final = 256  # entries read from the registry; a user has a handful of bases
 MAX_SCANNED: Final = 4096  # entries looked at (those of bases that are gone are removed)
+# Bytes of a registry entry read to take its first 4096 characters the way a text file does
+# (io.TextIOWrapper reads 8 KiB chunks; 4096 UTF-8 characters need at most three).
+ENTRY_READ_BYTES: Final = 32 * 1024
+
+
+class Reader(Protocol):
+    """How `known_base_dirs` and `base_dir_views` read the host: directly (the default), or
+    through a recorder whose reads can be checked again (backends/host_reads.HostReads)."""
+
+    def lstat(self, path: str) -> os.stat_result:
+        """`os.lstat`."""
+        ...
+
+    def isdir(self, path: str) -> bool:
+        """`os.path.isdir`."""
+        ...
+
+    def realpath(self, path: str) -> str:
+        """`os.path.realpath`."""
+        ...
+
+    def listdir(self, path: str) -> list[str]:
+        """`os.listdir`, sorted."""
+        ...
+
+    def read(self, path: str, limit: int = -1) -> bytes:
+        """The first `limit` bytes of a file (-1: all of it)."""
+        ...
+
+
+class _Host:
+    """A Reader that reads the host directly, every time."""
+
+    lstat = staticmethod(os.lstat)
+    isdir = staticmethod(os.path.isdir)
+
+    @staticmethod
+    def realpath(path: str) -> str:
+        return os.path.realpath(path)
+
+    @staticmethod
+    def listdir(path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+    @staticmethod
+    def read(path: str, limit: int = -1) -> bytes:
+        with open(path, "rb") as f:
+            return f.read(limit)
+
+
+_HOST: Final[Reader] = _Host()
+
+
+def _text(data: bytes, limit: int = -1) -> str:
+    """What a text-mode UTF-8 `read(limit)` of a file holding `data` returns (newlines too)."""
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8").read(limit)
 
 
 def egress_base_dir(
@@ -80,9 +138,9 @@ def _canonical_base() -> str:
     return f"/tmp/{BASE_DIR_NAME}-{os.geteuid()}"
 
 
-def _private_dir(path: str) -> os.stat_result | None:
+def _private_dir(path: str, reader: Reader | None = None) -> os.stat_result | None:
     try:
-        info = os.lstat(path)
+        info = (_HOST if reader is None else reader).lstat(path)
     except OSError:
         return None
     if (
@@ -119,11 +177,13 @@ def _register(base: str) -> None:
 
 
 def known_base_dirs(
-    own: str | None = None, environ: Mapping[str, str] = os.environ
+    own: str | None = None, environ: Mapping[str, str] = os.environ, reader: Reader | None = None
 ) -> list[str]:
     """Every cc-server base directory of this user that exists now: `own`, the usual spellings
     (`/tmp`, `/var/tmp`, `$TMPDIR`, `/run/user/<uid>`, `$XDG_RUNTIME_DIR`) and what the registry
-    names. Only private directories of this user with a base's name count, real paths."""
+    names. Only private directories of this user with a base's name count, real paths. The
+    host is read through `reader` (directly by default); an entry of a base that is gone is
+    removed."""
     import tempfile  # lazy import: only the server and the daemon plan sandboxes
 
     uid = os.geteuid()
@@ -135,20 +195,19 @@ def known_base_dirs(
     for runtime in (f"/run/user/{uid}", environ.get("XDG_RUNTIME_DIR", "")):
         if runtime:
             candidates.append(os.path.join(runtime, BASE_DIR_NAME))
+    reader = _HOST if reader is None else reader
     registry = os.path.join(_canonical_base(), REGISTRY_NAME)
-    if _private_dir(_canonical_base()) is not None and _private_dir(registry) is not None:
+    if (_private_dir(_canonical_base(), reader) is not None
+            and _private_dir(registry, reader) is not None):
         with contextlib.suppress(OSError):
             live = 0
-            for name in sorted(os.listdir(registry))[:MAX_SCANNED]:
+            for name in reader.listdir(registry)[:MAX_SCANNED]:
                 if live == MAX_REGISTERED:
                     break
                 entry = os.path.join(registry, name)
-                with (
-                    contextlib.suppress(OSError, UnicodeDecodeError),
-                    open(entry, encoding="utf-8") as f,
-                ):
-                    base = f.read(4096)
-                    if not os.path.isdir(base):  # gone: forget it, so live ones stay in reach
+                with contextlib.suppress(OSError, UnicodeDecodeError):
+                    base = _text(reader.read(entry, ENTRY_READ_BYTES), 4096)
+                    if not reader.isdir(base):  # gone: forget it, so live ones stay in reach
                         os.unlink(entry)
                         continue
                     candidates.append(base)
@@ -157,8 +216,8 @@ def known_base_dirs(
     for candidate in candidates:
         if not os.path.isabs(candidate):
             continue
-        real = os.path.realpath(candidate)
-        if real not in found and os.path.basename(real) in names and _private_dir(real):
+        real = reader.realpath(candidate)
+        if real not in found and os.path.basename(real) in names and _private_dir(real, reader):
             found.append(real)
     return found
 
@@ -166,14 +225,13 @@ def known_base_dirs(
 _ESCAPE = re.compile(r"\\([0-7]{3})")
 
 
-def _mounts(mountinfo: str) -> list[tuple[str, str, str]]:
+def _mounts(mountinfo: str, reader: Reader) -> list[tuple[str, str, str]]:
     """(device, root within the filesystem, mount point) of each line of a mountinfo file."""
     out = []
-    with (
-        contextlib.suppress(OSError),
-        open(mountinfo, encoding="utf-8", errors="surrogateescape") as f,
-    ):
-        for line in f:
+    with contextlib.suppress(OSError):
+        data = reader.read(mountinfo)
+        text = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+        for line in text:
             fields = line.split(" ")
             if len(fields) > 4:
                 root, point = (_ESCAPE.sub(lambda m: chr(int(m[1], 8)), v) for v in fields[3:5])
@@ -212,24 +270,27 @@ def base_dir_views(
     own: str | None = None,
     environ: Mapping[str, str] = os.environ,
     mountinfo: str = "/proc/self/mountinfo",
+    reader: Reader | None = None,
 ) -> tuple[str, ...]:
     """Every host path at which one of `known_base_dirs` is visible: each base itself and every
     alias through a mount (a bind mount of the base, or of a directory above it, elsewhere),
     found from the mount table and confirmed by device and inode. Sorted, for stable plans.
-    The bases, the mount table and each alias's device and inode are read on every call."""
+    The bases, the mount table and each alias's device and inode are read on every call,
+    through `reader` (directly by default)."""
+    reader = _HOST if reader is None else reader
     bases = []
     identities = set()
-    for base in known_base_dirs(own, environ):
+    for base in known_base_dirs(own, environ, reader):
         try:
-            info = os.lstat(base)
+            info = reader.lstat(base)
         except FileNotFoundError:  # removed since it was found (its server stopped): not shown
             continue
         bases.append(base)
         identities.add((info.st_dev, info.st_ino))
     views = set(bases)
-    for view in _aliases(tuple(bases), tuple(_mounts(mountinfo))):
+    for view in _aliases(tuple(bases), tuple(_mounts(mountinfo, reader))):
         with contextlib.suppress(OSError):
-            info = os.lstat(view)
+            info = reader.lstat(view)
             if (info.st_dev, info.st_ino) in identities:
                 views.add(view)
     return tuple(sorted(views))

@@ -37,7 +37,7 @@ def test_a_base_removed_while_the_views_are_found_is_left_out(
 ) -> None:
     live = tempfile.mkdtemp(prefix="ccr-", dir="/tmp")
     gone = os.path.join(live, "removed-meanwhile")  # found, then removed before its lstat
-    monkeypatch.setattr(rundir, "known_base_dirs", lambda own, environ: [live, gone])
+    monkeypatch.setattr(rundir, "known_base_dirs", lambda own, environ, reader=None: [live, gone])
     try:
         views = rundir.base_dir_views(live, environ={})
         assert live in views and not [v for v in views if v.endswith("/removed-meanwhile")]
@@ -55,7 +55,7 @@ def test_an_alias_through_a_mount_is_found_from_the_table_read_at_each_call(
     # symlink stands in for the mount; the table says a mount of the same filesystem is there).
     (tmp_path / "alias").symlink_to(real)
     (tmp_path / "elsewhere").mkdir()  # the table's other alias, a different directory
-    monkeypatch.setattr(rundir, "known_base_dirs", lambda own, environ: [str(base)])
+    monkeypatch.setattr(rundir, "known_base_dirs", lambda own, environ, reader=None: [str(base)])
     plain = tmp_path / "plain.mountinfo"
     plain.write_text(f"1 0 0:99 / {tmp_path} rw - tmpfs t rw\n")
     bound = tmp_path / "bound.mountinfo"

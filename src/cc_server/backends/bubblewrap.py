@@ -37,6 +37,7 @@ __all__ = [
     "BubblewrapPlanner",
     "CreateRuleTools",
     "plan_bubblewrap",
+    "session_command",
 ]
 
 
@@ -539,17 +540,10 @@ def plan_bubblewrap(
         roots.append(host.realpath(command.egress.socket_dir))
     argv = _step_identity(argv, identity, roots, host.realpath)
 
-    env = dict(command.env)
-    env.setdefault("PATH", DEFAULT_PATH)
-    env.setdefault("HOME", host.home)
-    if command.egress is not None:
-        env.update(bridge_env())
+    env = _command_env(command, host.home)
     session = None
     if serve is not None:
-        env["PWD"] = cwd  # what bwrap's --chdir sets for a command it starts itself
-        session = SessionCommand(
-            argv=command.argv, env=tuple(sorted(env.items())), cwd=cwd, socket=serve
-        )
+        session = session_command(command, cwd, host.home, serve)
         env = {"PATH": DEFAULT_PATH}
     return LaunchPlan(
         backend=SandboxBackend.NATIVE,
@@ -583,6 +577,24 @@ def plan_bubblewrap(
         session=session,
         identity=identity,
     )
+
+
+def _command_env(command: Command, home: str) -> dict[str, str]:
+    """The environment `command` runs with: its own, PATH and HOME when it sets none, and the
+    proxy variables when it has egress."""
+    env = dict(command.env)
+    env.setdefault("PATH", DEFAULT_PATH)
+    env.setdefault("HOME", home)
+    if command.egress is not None:
+        env.update(bridge_env())
+    return env
+
+
+def session_command(command: Command, cwd: str, home: str, serve: InheritedFd) -> SessionCommand:
+    """`command` as a session sandbox's launcher is asked to run it."""
+    env = _command_env(command, home)
+    env["PWD"] = cwd  # what bwrap's --chdir sets for a command it starts itself
+    return SessionCommand(argv=command.argv, env=tuple(sorted(env.items())), cwd=cwd, socket=serve)
 
 
 def _notes(policy: CompiledPolicy, command: Command) -> tuple[str, ...]:

@@ -22,6 +22,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Final, Protocol
 
+from cc_server.backends.host_reads import HostReads
 from cc_server.backends.identity import sandbox_uids
 from cc_server.backends.peer import PeerRule, ThisProcess
 from cc_server.backends.plan import EgressBridge
@@ -174,6 +175,8 @@ class SessionEgress:
         self._dir: str | None = None
         self._proxies: SessionProxies | None = None
         self._closed = False
+        # The base directory views last found, with what they were found from (`_hidden_dirs`).
+        self._views: tuple[tuple[object, ...], HostReads, tuple[str, ...]] | None = None
 
     @property
     def proxies(self) -> SessionProxies | None:
@@ -401,11 +404,22 @@ class SessionEgress:
         return EgressBridge(
             socket_dir=self._dir,
             base_dir=self._base_dir,
-            # Every view of every base directory of this user, found now by device and inode.
-            hidden_dirs=base_dir_views(self._base_dir),
+            hidden_dirs=self._hidden_dirs(),
             http_port=self._proxies.http_port,
             socks_port=self._proxies.socks_port,
         )
+
+    def _hidden_dirs(self) -> tuple[str, ...]:
+        """Every view of every base directory of this user, by device and inode
+        (rundir.base_dir_views): the last ones found while every read they were found from
+        gets the same answer from the host (backends/host_reads.py), else found again."""
+        key = (os.geteuid(), os.environ.get("TMPDIR"), os.environ.get("XDG_RUNTIME_DIR"))
+        if self._views is not None and self._views[0] == key and self._views[1].hold():
+            return self._views[2]
+        reads = HostReads()
+        views = base_dir_views(self._base_dir, reader=reads)
+        self._views = (key, reads, views)
+        return views
 
     async def adopt(self, http: socket.socket, socks: socket.socket) -> list[AdoptedListener]:
         """Serve a sandbox's own loopback listeners (handed over by its launcher) as this

@@ -16,9 +16,11 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cc_server.backends.bubblewrap import BubblewrapPlanner
 from cc_server.backends.handoff import Streams, launch
 from cc_server.backends.peer import SandboxPeers
 from cc_server.backends.plan import Command, LaunchPlan, Planner
+from cc_server.backends.session_plan import SessionPlanReading, plan_reusing
 from cc_server.backends.supervisor import CreateRefused, Report
 from cc_server.errors import BadSpec, Closed
 from cc_server.policy import CompiledPolicy, SandboxBackend
@@ -82,6 +84,8 @@ class SandboxHandle:
     _sandbox: SessionSandbox | None = field(default=None, repr=False)
     _retired: set[SessionSandbox] = field(default_factory=set, repr=False)
     _sandbox_lock: asyncio.Lock | None = field(default=None, repr=False)
+    # The last session sandbox plan and what it was planned from (backends/session_plan.py).
+    _reading: SessionPlanReading | None = field(default=None, repr=False)
 
     def transition(self, new: SandboxState) -> None:
         """Move to `new`, or raise IllegalTransition (a bug)."""
@@ -161,7 +165,7 @@ class SandboxHandle:
         command = dataclasses.replace(execution.command, in_session_sandbox=True)
         if self.egress is not None:  # the session's proxies, started on first use
             command = dataclasses.replace(command, egress=await self.egress.start())
-        plan = self.plan(command)
+        plan = self._plan_session(command)
         if plan.session is not None:
             sandbox = await self.session_sandbox(plan)
             proc = await sandbox.run(
@@ -178,6 +182,14 @@ class SandboxHandle:
             peers=self.sandbox_peers,
         )
         return HostChild(launched, execution.create_report)
+
+    def _plan_session(self, command: Command) -> LaunchPlan:
+        """`plan(command)`; a bubblewrap session sandbox's plan is made again only when something
+        it was planned from has changed (backends/session_plan.py)."""
+        if not isinstance(self.planner, BubblewrapPlanner):
+            return self.plan(command)
+        plan, self._reading = plan_reusing(self.planner, self.policy, command, self._reading)
+        return plan
 
     async def session_sandbox(self, plan: LaunchPlan) -> SessionSandbox:
         """The session sandbox `plan` describes: the running one when the plan is the same (every

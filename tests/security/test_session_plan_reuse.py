@@ -1,0 +1,140 @@
+"""A session sandbox's plan is made again only when a host fact it was planned from has changed
+(backends/session_plan.py, backends/host_reads.py): between two commands of one session, each
+host fact below changes, and the second command must get the policy a fresh sandbox would, judged
+on the host (what the command read or wrote, and the mount table of the sandbox it ran in).
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+import pytest
+from escape_kit import Sandboxes, attempts, outcomes, output, unique
+
+from cc_server.rundir import egress_base_dir
+from cc_server.runtime.handle import SandboxHandle
+
+pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+MOUNT = "/usr/bin/mount"  # util-linux, by absolute path: the test's own host-side step
+UMOUNT = "/usr/bin/umount"
+
+
+def _unescape(field: str) -> str:
+    """A mountinfo path field (spaces, tabs, newlines and backslashes octal-escaped)."""
+    return field.encode().decode("unicode_escape")
+
+
+def _sandbox_mounts(handle: SandboxHandle) -> dict[str, str]:
+    """Mount point -> filesystem type in the mount namespace of the session's current sandbox,
+    read on the host from its PID 1 (bwrap's one child)."""
+    pid = handle.details["sandboxPid"]
+    with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+        (launcher,) = f.read().split()
+    mounts: dict[str, str] = {}
+    with open(f"/proc/{launcher}/mountinfo", encoding="utf-8") as f:
+        for line in f:
+            fields = line.split()
+            mounts[_unescape(fields[4])] = fields[fields.index("-") + 1]
+    return mounts
+
+
+def _bind_home(sb: Sandboxes) -> list[dict[str, str]]:
+    return [{"hostPath": str(sb.worktree)}, {"hostPath": str(sb.home)}]
+
+
+async def test_a_secret_that_appears_in_a_bound_directory_is_masked_for_the_next_command(
+    sb: Sandboxes,
+) -> None:
+    handle = sb.launch(bindMounts=_bind_home(sb))
+    netrc = sb.home / ".netrc"
+    first = await sb.sh(handle, f"cat {netrc} 2>/dev/null; echo ran")
+    assert first.stdout == b"ran\n", output(first)  # control: nothing there yet
+    marker = unique("CC-SECRET-NETRC")
+    netrc.write_text(f"machine example.com password {marker}\n")
+    second = await sb.sh(handle, attempts(read=f"grep -q {marker} {netrc}"))
+    assert outcomes(second) == {"read": "fail"}, output(second)
+    assert str(netrc) in _sandbox_mounts(handle)  # masked in the sandbox that ran it
+    assert marker in netrc.read_text()
+
+
+async def test_a_protected_path_that_appears_is_read_only_for_the_next_command(
+    sb: Sandboxes,
+) -> None:
+    ledger = sb.worktree / "ledger"
+    handle = sb.launch(protectedPaths=[str(ledger)])
+    await sb.sh(handle, "true")
+    ledger.mkdir()
+    (ledger / "entry").write_text("original\n")
+    result = await sb.sh(
+        handle,
+        attempts(control="echo x > notes.txt", write=f"echo changed > {ledger}/entry"),
+    )
+    assert outcomes(result) == {"control": "ok", "write": "fail"}, output(result)
+    assert (ledger / "entry").read_text() == "original\n"
+    assert str(ledger) in _sandbox_mounts(handle)  # bound read-only over the writable root
+
+
+async def test_a_secret_name_that_appears_as_a_symlink_masks_the_directory_it_names(
+    sb: Sandboxes,
+) -> None:
+    stash = sb.home / "stash"
+    stash.mkdir()
+    marker = unique("CC-SECRET-GNUPG")
+    (stash / "key").write_text(f"{marker}\n")
+    handle = sb.launch(bindMounts=_bind_home(sb))
+    first = await sb.sh(handle, f"cat {stash}/key")
+    assert marker.encode() in first.stdout, output(first)  # control: not a secret yet
+    (sb.home / ".gnupg").symlink_to(stash)  # the secret's name now leads there
+    second = await sb.sh(handle, attempts(read=f"grep -q {marker} {stash}/key",
+                                          via_name=f"grep -q {marker} {sb.home}/.gnupg/key"))
+    assert outcomes(second) == {"read": "fail", "via_name": "fail"}, output(second)
+    assert _sandbox_mounts(handle).get(str(stash)) == "tmpfs"
+
+
+async def test_a_directory_renamed_over_another_gets_its_protection_for_the_next_command(
+    sb: Sandboxes,
+) -> None:
+    dot_git = sb.worktree / ".git"
+    dot_git.mkdir()  # empty: nothing in it to protect yet
+    staged = sb.worktree / "staged"
+    (staged / "hooks").mkdir(parents=True)
+    (staged / "config").write_text("[core]\n")
+    handle = sb.launch()
+    await sb.sh(handle, "true")
+    os.rename(staged, dot_git)  # over the empty .git: a repository's hooks and config now
+    result = await sb.sh(
+        handle,
+        attempts(
+            control="echo x > notes.txt",
+            hook="echo 'touch /tmp/pwned' > .git/hooks/pre-commit",
+            config="echo '[core] hooksPath = /tmp' >> .git/config",
+        ),
+    )
+    assert outcomes(result) == {"control": "ok", "hook": "fail", "config": "fail"}, output(result)
+    assert not (dot_git / "hooks" / "pre-commit").exists()
+    assert (dot_git / "config").read_text() == "[core]\n"
+    mounts = _sandbox_mounts(handle)
+    assert str(dot_git / "hooks") in mounts and str(dot_git / "config") in mounts
+
+
+async def test_a_mount_of_the_servers_base_directory_under_a_bound_path_is_hidden(
+    sb: Sandboxes,
+) -> None:
+    assert os.geteuid() == 0, "this test mounts on the host: run the security suite as root"
+    peek = sb.worktree / "peek"
+    peek.mkdir()
+    handle = sb.launch()
+    first = await sb.sh(handle, f"ls -A {peek}; echo listed")
+    assert first.stdout == b"listed\n", output(first)  # control: an empty directory
+    base = pathlib.Path(egress_base_dir())  # the sessions' sockets live here
+    assert any(p.name.startswith("egress-") for p in base.iterdir())
+    subprocess.run([MOUNT, "--bind", str(base), str(peek)], check=True)
+    try:
+        second = await sb.sh(handle, f"ls -A {peek}; echo listed")
+        assert second.stdout == b"listed\n", output(second)
+        assert _sandbox_mounts(handle).get(str(peek)) == "tmpfs"
+    finally:
+        subprocess.run([UMOUNT, "-l", str(peek)], check=True)

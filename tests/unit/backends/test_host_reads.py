@@ -1,0 +1,118 @@
+"""HostReads answers as the host does, and `hold` sees every change to what it was asked; a
+session sandbox's plan given again (plan_reusing) is the plan planning would make. Real files
+in tmp_path; no sandbox is started."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+import pytest
+from plan_kit import FAKE_BPF, TOOLS
+
+from cc_server.backends import bubblewrap as bwrap_mod
+from cc_server.backends.bubblewrap import BubblewrapPlanner
+from cc_server.backends.host_reads import HostReads
+from cc_server.backends.plan import Command, EgressBridge
+from cc_server.backends.probe import BubblewrapTools
+from cc_server.backends.session_plan import plan_reusing
+from cc_server.policy import HostFacts, Platform, compile_policy, parse_spec
+
+
+@pytest.fixture
+def tree(tmp_path: pathlib.Path) -> pathlib.Path:
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "d" / "f").write_text("x")
+    (tmp_path / "up").symlink_to("d/e/..")
+    (tmp_path / "abs").symlink_to(tmp_path / "d")
+    (tmp_path / "loop1").symlink_to("loop2")
+    (tmp_path / "loop2").symlink_to("loop1")
+    (tmp_path / "dangling").symlink_to("nowhere/x")
+    (tmp_path / "d" / "self").symlink_to(".")
+    return tmp_path
+
+
+PATHS = ("d", "d/e", "d/f", "up", "up/e", "abs/e/../f", "loop1", "loop1/x", "dangling",
+         "dangling/y", "missing/../d", "d/self/self/e", "d/f/x", "./d//e/", "../x", "d/..")
+
+
+def test_its_answers_are_the_hosts(tree: pathlib.Path) -> None:
+    reads = HostReads()
+    for rel in PATHS:
+        path = f"{tree}/{rel}"
+        assert reads.realpath(path) == os.path.realpath(path), rel
+        assert reads.lexists(path) == os.path.lexists(path), rel
+        assert reads.isdir(path) == os.path.isdir(path), rel
+    assert reads.listdir(str(tree)) == sorted(os.listdir(tree))
+    assert reads.read(f"{tree}/d/f") == b"x"
+    with pytest.raises(FileNotFoundError):
+        reads.lstat(f"{tree}/missing")
+    with pytest.raises(FileNotFoundError):  # a failure is kept and raised again
+        reads.lstat(f"{tree}/missing")
+    assert reads.hold()
+
+
+CHANGES = {
+    "appears": lambda t: (t / "missing").mkdir(),
+    "goes": lambda t: (t / "d" / "f").unlink(),
+    "symlink": lambda t: ((t / "d" / "e").rmdir(), (t / "d" / "e").symlink_to("/etc")),
+    "renamed over": lambda t: ((t / "other").mkdir(), os.rename(t / "other", t / "d" / "e")),
+    "chmod": lambda t: (t / "d").chmod(0o700),
+    "listing": lambda t: (t / "new").write_text(""),
+    "content": lambda t: (t / "d" / "f").write_text("y"),
+    "link target": lambda t: ((t / "up").unlink(), (t / "up").symlink_to("d")),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_hold_sees_a_change_to_anything_it_was_asked(tree: pathlib.Path, change: str) -> None:
+    reads = HostReads()
+    for rel in PATHS:
+        reads.realpath(f"{tree}/{rel}")
+        reads.lexists(f"{tree}/{rel}")
+        reads.isdir(f"{tree}/{rel}")
+    reads.lexists(f"{tree}/missing")
+    reads.listdir(str(tree))
+    reads.read(f"{tree}/d/f")
+    assert reads.hold()
+    CHANGES[change](tree)
+    assert not reads.hold()
+
+
+def _planner(home: pathlib.Path) -> BubblewrapPlanner:
+    host = dataclasses.replace(HostFacts.current(Platform.LINUX), home=str(home),
+                               server_is_root=False)
+    tools = BubblewrapTools(bwrap="/usr/bin/bwrap", socat=None, create_rules=TOOLS)
+    return BubblewrapPlanner(host=host, tools=tools)
+
+
+def test_a_plan_given_again_is_the_plan_planning_makes(
+    tree: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bwrap_mod, "filter_bpf", lambda: FAKE_BPF)
+    monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", lambda **_: FAKE_BPF)
+    home = tree / "home"
+    home.mkdir()
+    planner = _planner(home)
+    spec = parse_spec({"sessionId": "s", "workspaceId": "w",
+                       "bindMounts": [{"hostPath": str(tree / "d")}]})
+    policy = compile_policy(spec, planner.host)
+    bridge = EgressBridge(socket_dir=str(tree / "sock"))
+    commands = [
+        Command(argv=("true",), egress=bridge, in_session_sandbox=True),
+        Command(argv=("make", "x"), env=(("A", "1"),), cwd=str(tree / "d" / "e"),
+                egress=bridge, in_session_sandbox=True),
+        Command(argv=("env",), env=(("HOME", "/x"), ("PATH", "/p")), egress=bridge,
+                in_session_sandbox=True),
+    ]
+    plan, last = plan_reusing(planner, policy, commands[0], None)
+    assert last is not None and plan == planner.plan(policy, commands[0])
+    for command in commands:
+        again, kept = plan_reusing(planner, policy, command, last)
+        assert kept is last  # given again, not planned
+        assert again == planner.plan(policy, command)
+    (tree / "d" / ".git" / "hooks").mkdir(parents=True)  # a fact the plan rests on
+    changed, kept = plan_reusing(planner, policy, commands[0], last)
+    assert kept is not last and changed == planner.plan(policy, commands[0])
+    assert changed.argv != plan.argv
