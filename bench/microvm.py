@@ -93,6 +93,14 @@ def smaps(pid: int) -> tuple[float, float]:
     return rss, pss
 
 
+def print_phases(phases: list[dict[str, float]], cpu: list[float], spares: int) -> None:
+    """The restores' own timers (ms since each began: QEMU up or a spare taken, the state sent,
+    the agent's answers) and QEMU's host CPU from its start to warm."""
+    for name in ("start", "load", "greet"):
+        print(f"  phase {name:<5} (ms from start): {fmt([p[name] for p in phases])}")
+    print(f"  QEMU CPU, its start to warm: {fmt(cpu)}  ({spares} of {len(phases)} from a spare)")
+
+
 async def main(args: argparse.Namespace) -> int:
     runtime = await probe_runtime()
     if not runtime.available or runtime.pool is None:
@@ -138,6 +146,9 @@ async def main(args: argparse.Namespace) -> int:
                               microvm=bare_runtime)
         warm: list[float] = []
         warm_bare: list[float] = []
+        warm_phases: list[dict[str, float]] = []
+        warm_cpu: list[float] = []
+        warm_spares = 0
         handles: list[MicroVMHandle] = []
         try:
             for _ in range(args.sessions):
@@ -152,6 +163,10 @@ async def main(args: argparse.Namespace) -> int:
                 assert isinstance(handle, MicroVMHandle)
                 await handle.ready()
                 warm.append((time.perf_counter() - started) * 1000)
+                warm_phases.append(handle.phases)
+                warm_spares += handle.from_spare
+                assert handle.qemu_pid is not None
+                warm_cpu.append(cpu_ms(handle.qemu_pid))
                 handles.append(handle)
                 if len(handles) > args.vms:
                     await manager.destroy(handles.pop(0).session_id)
@@ -162,6 +177,7 @@ async def main(args: argparse.Namespace) -> int:
               f"  ({statistics.median(warm) / cold_ms:.3f} x cold boot; QEMU {confined})")
         print(f"  QEMU not under bubblewrap: {fmt(warm_bare)}"
               f"  (confined / bare = {statistics.median(warm) / statistics.median(warm_bare):.2f})")
+        print_phases(warm_phases, warm_cpu, warm_spares)
         failed |= statistics.median(warm) > TARGET_WARM_MS
 
         handle = handles[-1]
@@ -202,6 +218,9 @@ async def main(args: argparse.Namespace) -> int:
 
         suspend: list[float] = []
         resume: list[float] = []
+        resume_phases: list[dict[str, float]] = []
+        resume_cpu: list[float] = []
+        resume_spares = 0
         for _ in range(args.resumes):
             started = time.perf_counter()
             await handle.suspend()
@@ -209,12 +228,17 @@ async def main(args: argparse.Namespace) -> int:
             started = time.perf_counter()
             await handle.resume()
             resume.append((time.perf_counter() - started) * 1000)
+            resume_phases.append(handle.phases)
+            resume_spares += handle.from_spare
+            assert handle.qemu_pid is not None
+            resume_cpu.append(cpu_ms(handle.qemu_pid))
         assert handle.qemu_pid is not None
         resumed_rss, resumed_pss = smaps(handle.qemu_pid)
         print(f"suspend to disk            : {fmt(suspend)}")
         print(f"resume to warm             : {fmt(resume)}  target <= {TARGET_RESUME_MS:.0f} ms"
               f"  ({statistics.median(resume) / cold_ms:.3f} x cold boot)")
         print(f"  resumed VM memory        : RSS {resumed_rss:.1f} MiB, PSS {resumed_pss:.1f} MiB")
+        print_phases(resume_phases, resume_cpu, resume_spares)
         failed |= statistics.median(resume) > TARGET_RESUME_MS
     finally:
         await manager.aclose()

@@ -30,12 +30,10 @@ from cc_server.errors import (
     EnforcementFailed,
 )
 from cc_server.microvm.link import (
-    VM_DIR_PREFIX,
     AgentGone,
     AgentLink,
     ExecChannel,
     Request,
-    private_dir,
 )
 from cc_server.microvm.mounts import GuestMount, MountPlan
 from cc_server.microvm.pool import Vm, VmPool
@@ -112,6 +110,17 @@ class MicroVMHandle(SandboxHandle):
         return self._run_dir
 
     @property
+    def phases(self) -> dict[str, float]:
+        """How long the running VM's restore (or last resume) took to each step, in ms since
+        it began (see pool.Vm); empty while there is no VM."""
+        return dict(self._vm.phases) if self._vm is not None else {}
+
+    @property
+    def from_spare(self) -> bool:
+        """Whether the running VM's QEMU was the pool's spare (started ahead of need)."""
+        return self._vm is not None and self._vm.from_spare
+
+    @property
     def qemu_pid(self) -> int | None:
         """The host pid of the running VM's process (bubblewrap around QEMU when QEMU is
         confined; QEMU dies with it); None while created, suspended or destroyed."""
@@ -157,24 +166,24 @@ class MicroVMHandle(SandboxHandle):
             if self.egress is not None:
                 proxy_dir.append(Path((await self.egress.start()).socket_dir))
 
-        async def restore(link: AgentLink, run_dir: Path) -> tuple[Vm, list[Frame]]:
-            self._vm, replies = await pool.restore(run_dir, shares, link, self._mount_requests())
+        async def restore(link: AgentLink) -> tuple[Vm, list[Frame]]:
+            self._vm, replies = await pool.restore(shares, link, self._mount_requests())
+            self._run_dir = self._vm.run_dir
             return self._vm, replies
 
         try:
             self._link = AgentLink(lambda: proxy_dir[0] if proxy_dir else None)
-            self._run_dir = private_dir(self.run_base, VM_DIR_PREFIX)
-            self.details["runDir"] = str(self._run_dir)
             # The proxies start while QEMU does: no command runs (and so no guest connection
             # opens) before the VM is warm, and either failing ends both.
             try:
                 async with asyncio.TaskGroup() as group:
                     group.create_task(start_egress(), name=f"microvm egress {self.session_id}")
-                    restoring = group.create_task(restore(self._link, self._run_dir),
+                    restoring = group.create_task(restore(self._link),
                                                   name=f"microvm restore {self.session_id}")
             except BaseExceptionGroup as failed:
                 raise failed.exceptions[0] from None
             vm, replies = restoring.result()
+            self.details["runDir"] = str(vm.run_dir)
             self._check_mounts(replies)
             self.details["accelerator"] = self.pool.config.accel
             self.details["qemuPid"] = vm.qemu.pid
@@ -328,8 +337,7 @@ class MicroVMHandle(SandboxHandle):
             state = self._run_dir / STATE_FILE
             try:
                 self._vm, replies = await self.pool.resume(
-                    self._run_dir, self.mount_plan.shares, self._link, state,
-                    self._mount_requests(),
+                    self.mount_plan.shares, self._link, state, self._mount_requests(),
                 )
                 self._check_mounts(replies)
                 # Thawed only once every mount is known to be back: the agent takes a batch in
@@ -340,7 +348,10 @@ class MicroVMHandle(SandboxHandle):
             except BaseException as exc:  # cancelled included: never a VM left behind
                 await self._fail_closed(exc)
                 raise
-            state.unlink()
+            # The VM runs in a directory of its own now: the one with the state goes.
+            suspended_dir, self._run_dir = self._run_dir, self._vm.run_dir
+            shutil.rmtree(suspended_dir, ignore_errors=True)
+            self.details["runDir"] = str(self._run_dir)
             self.details["qemuPid"] = self._vm.qemu.pid
             self.transition(SandboxState.WARM)
             if self._running:

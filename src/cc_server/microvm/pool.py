@@ -8,8 +8,14 @@ never changes, the page cache of its pages is shared by every VM) and loads the 
 tens of milliseconds instead of seconds, with the session's own mounts in the slots.
 
 Suspending a session's VM saves its whole state (its RAM is private, so all of it) to a file in
-the session's private directory and ends QEMU; resuming maps the template RAM again and loads
-that file. Nothing else of a suspended VM stays in memory.
+the session's private directory and ends QEMU; resuming loads that file into a new QEMU. Nothing
+else of a suspended VM stays in memory.
+
+A spare QEMU (one per pool) waits with `-incoming defer` for the next restore or resume: started
+after each one with the same RAM and shares, taken only by one whose QEMU would be given exactly
+that (the same key, and each share still the host's directory at its path), and ended otherwise
+and at `aclose`. A take only loads the state: QEMU's own start (under bubblewrap) is off the
+request's path.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Final
 
 from cc_server.backends.plan import FdArg, SandboxIdentity
 from cc_server.backends.seccomp import filter_bpf
-from cc_server.errors import EnforcementFailed
+from cc_server.errors import CcServerError, EnforcementFailed
 from cc_server.microvm.image import PRUNE_AFTER_S, GuestImage, touch
 from cc_server.microvm.link import VM_DIR_PREFIX, AgentLink, Request, hello_request, private_dir
 from cc_server.microvm.proto import Frame
@@ -43,8 +49,9 @@ from cc_server.microvm.vm import (
     qemu_argv,
 )
 from cc_server.rundir import egress_base_dir, names_of_dead_owners
+from cc_server.tasks import start_task
 
-__all__ = ["BOOT_TIMEOUT_S", "Template", "Vm", "VmPool"]
+__all__ = ["BOOT_TIMEOUT_S", "SpareKey", "Template", "Vm", "VmPool"]
 
 log = logging.getLogger("cc_server.microvm")
 BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
@@ -63,13 +70,80 @@ class Template:
     state: Path
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpareKey:
+    """What a restored QEMU is given besides the pool's constants: a spare serves only a
+    restore or resume with an equal key."""
+
+    ram: Path | None  # the template's RAM file (a restore), None: anonymous RAM (a resume)
+    shares: tuple[Share | None, ...]
+
+
+@dataclass(eq=False)
+class _Spare:
+    """A QEMU being started, or waiting, with `-incoming defer` for `key`. Its task owns it
+    until it is taken: ended with the task (a discard, or the event loop's end, which cancels
+    it); `inner_pid` is a process in its mount namespace (QEMU under bubblewrap)."""
+
+    key: SpareKey
+    run_dir: Path
+    loop: asyncio.AbstractEventLoop
+    up: asyncio.Future[Qemu]
+    task: asyncio.Task[None] | None = None
+    inner_pid: int | None = None
+    taken: bool = False
+
+    async def keep(self, argv: tuple[str | FdArg, ...]) -> None:
+        """Start QEMU and hold it until taken; end it otherwise (cancelled included)."""
+        qemu: Qemu | None = None
+        try:
+            qemu = await Qemu.launch(argv, self.run_dir)
+            self.inner_pid = await asyncio.to_thread(_deepest_descendant, qemu.pid)
+            self.up.set_result(qemu)
+            await asyncio.get_running_loop().create_future()  # until taken or discarded
+        except BaseException as exc:
+            if not self.up.done():
+                self.up.set_exception(exc if isinstance(exc, Exception) else EnforcementFailed(
+                    "the spare QEMU's start was cancelled"))
+                self.up.exception()  # seen: a spare that failed is only not used
+            raise
+        finally:
+            if not self.taken:
+                try:
+                    if qemu is not None:
+                        await qemu.kill()
+                finally:
+                    shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def take(self) -> Qemu:
+        """Its QEMU, now the caller's (needs `up` done without an error)."""
+        self.taken = True
+        assert self.task is not None
+        self.task.cancel()
+        return self.up.result()
+
+    async def discard(self) -> None:
+        """End its QEMU (or its start) and remove its directory. Idempotent."""
+        if self.task is not None and self.loop is asyncio.get_running_loop():
+            self.task.cancel()
+            with contextlib.suppress(BaseException):
+                await self.task
+        # On a loop that has ended, the task ended with it (the loop cancels what runs at its
+        # close) and QEMU with the task.
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
 class Vm:
-    """One running QEMU and the agent link it serves."""
+    """One running QEMU and the agent link it serves; `phases`: how long its restore's steps
+    took, in ms (start: QEMU up, or a spare taken; load: the state sent for loading; greet: the
+    agent's answers, the restore's last step)."""
 
     def __init__(self, qemu: Qemu, run_dir: Path, link: AgentLink) -> None:
         self.qemu = qemu
         self.run_dir = run_dir
         self.link = link
+        self.phases: dict[str, float] = {}
+        self.from_spare = False
 
     async def stop(self) -> None:
         """Detach the agent link and end QEMU (even when cancelled or the link fails).
@@ -112,6 +186,7 @@ class VmPool:
             f"template-{TEMPLATE_FORMAT}-{self._family}{clock}-{config.memory_mib}m"
         )
         self.empty_dir = cache_dir / "empty"
+        self._spare: _Spare | None = None
 
     def _argv(
         self,
@@ -281,31 +356,29 @@ class VmPool:
 
     async def restore(
         self,
-        run_dir: Path,
         shares: Sequence[Share | None],
         link: AgentLink,
         then: Sequence[Request] = (),
     ) -> tuple[Vm, list[Frame]]:
         """A new VM from the template, running, its agent greeted (clock and entropy set), and
-        the agent's answers to `then`, sent right behind the greeting.
+        the agent's answers to `then`, sent right behind the greeting. The VM's directory is new
+        (`vm.run_dir`) and is removed here on failure.
 
         Raises:
             EnforcementFailed: QEMU did not start or the snapshot did not load.
         """
         template = await self.template()
-        return await self._incoming(
-            run_dir, shares, link, template.ram, template.state, True, then
-        )
+        key = SpareKey(ram=template.ram, shares=tuple(shares))
+        return await self._incoming(key, link, template.state, True, then)
 
     async def resume(
         self,
-        run_dir: Path,
         shares: Sequence[Share | None],
         link: AgentLink,
         state: Path,
         then: Sequence[Request] = (),
     ) -> tuple[Vm, list[Frame]]:
-        """A suspended VM back from its full state file (see `restore` for `then`).
+        """A suspended VM back from its full state file, in a new directory (see `restore`).
 
         Raises:
             EnforcementFailed: QEMU did not start or the state did not load.
@@ -313,25 +386,27 @@ class VmPool:
         # Anonymous RAM: the state file carries every page the guest used, and the pages it
         # never touched stay unallocated (mapping the template here instead would copy-on-write
         # every page the stream writes, and read the rest into the page cache).
-        return await self._incoming(run_dir, shares, link, None, state, False, then)
+        return await self._incoming(SpareKey(ram=None, shares=tuple(shares)), link, state,
+                                    False, then)
 
     async def _incoming(
         self,
-        run_dir: Path,
-        shares: Sequence[Share | None],
+        key: SpareKey,
         link: AgentLink,
-        ram: Path | None,
         state: Path,
         ignore_shared: bool,
         then: Sequence[Request],
     ) -> tuple[Vm, list[Frame]]:
-        argv = self._argv(run_dir, ram=ram, ram_shared=False, shares=shares, incoming=True)
+        started = time.perf_counter()
         with contextlib.suppress(OSError):  # read the state ahead while QEMU starts
             fd = os.open(state, os.O_RDONLY | os.O_CLOEXEC)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             os.close(fd)
-        qemu = await Qemu.launch(argv, run_dir)
+        taken = await self._take_spare(key)
+        qemu, run_dir = taken or await self._launch_incoming(key)
         vm = Vm(qemu, run_dir, link)
+        vm.from_spare = taken is not None
+        vm.phases["start"] = (time.perf_counter() - started) * 1000
         try:
             # Connect first: the console port drops what the guest writes while nobody listens.
             await link.attach(run_dir / "agent.sock", alive=lambda: qemu.returncode is None)
@@ -340,12 +415,84 @@ class VmPool:
                 await qemu.start_incoming(fd, ignore_shared=ignore_shared)
             finally:
                 os.close(fd)
+            vm.phases["load"] = (time.perf_counter() - started) * 1000
             # The guest runs once its state is in; the greeting waits in the socket until then.
             replies = await link.request_many([hello_request(), *then])
+            vm.phases["greet"] = (time.perf_counter() - started) * 1000
         except BaseException:
-            await vm.stop()
+            try:
+                await vm.stop()
+            finally:
+                shutil.rmtree(run_dir, ignore_errors=True)
             raise
+        self._start_spare(key)  # after this VM is up: its start does not compete with ours
         return vm, replies[1:]
+
+    async def _launch_incoming(self, key: SpareKey) -> tuple[Qemu, Path]:
+        """A QEMU for `key` in a new VM directory, waiting for its state (`-incoming defer`).
+
+        Raises:
+            EnforcementFailed: QEMU did not start (its directory is removed).
+        """
+        run_dir = private_dir(self.run_base or egress_base_dir(), VM_DIR_PREFIX)
+        try:
+            argv = self._argv(run_dir, ram=key.ram, ram_shared=False, shares=key.shares,
+                              incoming=True)
+            return await Qemu.launch(argv, run_dir), run_dir
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+
+    def _start_spare(self, key: SpareKey) -> None:
+        """Start the spare for `key`, ending the one there was (never two per pool)."""
+        old, self._spare = self._spare, None
+        if old is not None:  # a taken spare is no longer here: this one is of another key
+            start_task(old.discard(), name="microvm spare discard")
+        loop = asyncio.get_running_loop()
+        run_dir = private_dir(self.run_base or egress_base_dir(), VM_DIR_PREFIX)
+        try:
+            argv = self._argv(run_dir, ram=key.ram, ram_shared=False, shares=key.shares,
+                              incoming=True)
+        except CcServerError:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            return  # the next restore with this key fails the same way, with its own error
+        spare = _Spare(key=key, run_dir=run_dir, loop=loop, up=loop.create_future())
+        spare.task = start_task(spare.keep(argv), name="microvm spare")
+        self._spare = spare
+
+    async def _take_spare(self, key: SpareKey) -> tuple[Qemu, Path] | None:
+        """The spare's QEMU and directory when it was started for `key` and each share is
+        still, in QEMU's mount namespace, the directory the host has at its path; otherwise
+        the spare is ended and None returned."""
+        spare, self._spare = self._spare, None
+        if spare is None:
+            return None
+        if spare.key == key and spare.loop is asyncio.get_running_loop():
+            try:
+                qemu = await asyncio.shield(spare.up)  # it may be starting still
+            except Exception:
+                qemu = None
+            except BaseException:
+                await spare.discard()
+                raise
+            paths = [share.host_path for share in key.shares if share is not None]
+            if (qemu is not None and qemu.returncode is None and spare.inner_pid is not None
+                    and _bound_as_on_host(spare.inner_pid, paths)):
+                return spare.take(), spare.run_dir
+        await spare.discard()
+        return None
+
+    @property
+    def spare_run_dir(self) -> Path | None:
+        """The spare QEMU's directory (its `-name`), while there is one."""
+        return self._spare.run_dir if self._spare is not None else None
+
+    async def aclose(self) -> None:
+        """End the spare QEMU. Idempotent; the pool still serves (without a spare until the
+        next restore)."""
+        spare, self._spare = self._spare, None
+        if spare is not None:
+            await spare.discard()
 
     async def suspend(self, vm: Vm, state: Path) -> None:
         """Save `vm` whole to `state` and end its QEMU.
@@ -367,6 +514,34 @@ class VmPool:
             raise
         os.close(fd)
         await vm.qemu.quit()
+
+
+def _bound_as_on_host(pid: int, paths: Sequence[str]) -> bool:
+    """Whether each of `paths` is, in `pid`'s mount namespace, the file the host has there now
+    (same device and inode)."""
+    for path in paths:
+        try:
+            host, inside = os.stat(path), os.stat(f"/proc/{pid}/root{path}")
+        except OSError:
+            return False
+        if (host.st_dev, host.st_ino) != (inside.st_dev, inside.st_ino):
+            return False
+    return True
+
+
+def _deepest_descendant(root: int) -> int:
+    """The last process of the chain below `root` (each one's first child)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(name))
+    pid = root
+    while children.get(pid):
+        pid = min(children[pid])
+    return pid
 
 
 def _sha256(path: Path) -> str:

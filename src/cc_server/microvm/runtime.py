@@ -81,6 +81,11 @@ class MicroVMRuntime:
         handle.start()
         return handle
 
+    async def aclose(self) -> None:
+        """End the pool's spare QEMU (pool.VmPool.aclose); launches still work. Idempotent."""
+        if self.pool is not None:
+            await self.pool.aclose()
+
 
 def remove_stale_vm_dirs(base: str) -> list[str]:
     """Kill the QEMUs of killed servers (their argv names their VM directory) and remove those

@@ -250,6 +250,10 @@ class VmRuntime(Protocol):
         """
         ...
 
+    async def aclose(self) -> None:
+        """End what the runtime keeps ahead of need (a spare QEMU). Idempotent."""
+        ...
+
 
 @dataclass
 class MicroVMSandboxAdapter:
@@ -431,6 +435,8 @@ class SandboxManager:
             await handle.destroy()
 
     async def aclose(self) -> None:
-        """Destroy every live sandbox. Idempotent."""
+        """Destroy every live sandbox and end the microVM runtime's spare. Idempotent."""
         for session_id in list(self.handles):
             await self.destroy(session_id)
+        if self.microvm is not None:
+            await self.microvm.aclose()
