@@ -62,15 +62,20 @@ from cc_server.egress.guard import (
 from cc_server.egress.http_machine import HttpProxyMachine
 from cc_server.egress.patterns import Allowlist
 from cc_server.egress.proto import (
+    NEED_ANY_DATA,
     NEED_DATA,
+    NEED_UPSTREAM_DATA,
     UPSTREAM_REFUSED,
     UPSTREAM_UNREACHABLE,
     CheckEgress,
+    CloseConnection,
     HandshakeMachine,
     OpenUpstream,
     ProtocolRefused,
     SendToClient,
+    SendUpstream,
     StartRelay,
+    State,
 )
 from cc_server.egress.relay import relay
 from cc_server.egress.socks_machine import Socks5Machine
@@ -104,6 +109,9 @@ SOCKS_SOCKET_NAME: Final = "socks.sock"
 # One read from a client during the handshake. A request head is at most MAX_HEADER_BYTES
 # (16 KiB); a machine buffers its limit plus one read.
 HANDSHAKE_READ_BYTES: Final = 16 * 1024
+# One read from either leg of a forwarded exchange (request and response bodies): few system
+# calls for a large body, one chunk buffered per leg while the other side is slow.
+EXCHANGE_READ_BYTES: Final = 64 * 1024
 # After a refusal: time to write the reply and let the client read it before closing. Closing
 # while the client's unread bytes (a request body) are queued would send a reset that can destroy
 # the reply in flight, so the driver half-closes and discards up to REFUSAL_DRAIN_BYTES first.
@@ -514,6 +522,8 @@ class _Connection:
         self._upstream: socket.socket | None = None
         self._addresses: tuple[IPAddress, ...] = ()  # checked: the only ones dialled
         self._tunnel: tuple[str, int] | None = None  # (host as named, port) of an allowed tunnel
+        self._upstream_for: tuple[str, int] = ("", 0)  # (lower-case host, port) it was dialled for
+        self._kept = False  # a forwarded exchange began: the connection may carry more requests
         if client.family in (socket.AF_INET, socket.AF_INET6):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -526,8 +536,14 @@ class _Connection:
                 event = machine.next_event()
                 if event is NEED_DATA:
                     machine.receive_data(await self._recv())
+                elif event is NEED_UPSTREAM_DATA:
+                    machine.receive_upstream_data(await self._recv_upstream())
+                elif event is NEED_ANY_DATA:
+                    await self._recv_any(machine)
                 elif isinstance(event, SendToClient):
                     await self._send(event.data)
+                elif isinstance(event, SendUpstream):
+                    await self._send_upstream(event.data)
                 elif isinstance(event, CheckEgress):
                     if not await self._answer_check(machine, event):
                         return
@@ -536,18 +552,23 @@ class _Connection:
                         return
                 elif isinstance(event, StartRelay):
                     return await self._start_relay(event)
+                elif isinstance(event, CloseConnection):
+                    log.debug("%s: closed: %s", self._label, event.reason)
+                    return await self._close_with(event.reply)
                 else:
                     assert isinstance(event, ProtocolRefused)
                     log.debug("%s: refused: %s", self._label, event.reason)
                     return await self._close_with(event.reply)
         except TimeoutError:
-            log.debug("%s: handshake timed out", self._label)
+            log.debug("%s: timed out", self._label)
         finally:
             if self._upstream is not None:
                 self._upstream.close()
 
     async def _answer_check(self, machine: HandshakeMachine, event: CheckEgress) -> bool:
         """Decide `event` and answer the machine; whether the handshake goes on."""
+        if self._kept:  # a later request on a kept-alive connection: its own handshake deadline
+            self._deadline = self._loop.time() + self._params.limits.handshake_timeout_s
         verdict = await self._check(event)
         if isinstance(verdict, Refused):
             how_to_allow = self._report(event, verdict)
@@ -563,13 +584,22 @@ class _Connection:
         return True
 
     async def _answer_open(self, machine: HandshakeMachine, event: OpenUpstream) -> bool:
-        """Dial the checked addresses and answer the machine; whether the handshake goes on."""
+        """Dial the checked addresses (or keep the upstream the machine may reuse) and answer
+        the machine; whether the handshake goes on."""
+        if event.reuse and self._upstream is not None and _idle(self._upstream):
+            await self._send(machine.upstream_result(True, reused=True))
+            return True
+        if self._upstream is not None:  # dialled for another target, or not idle: never reused
+            self._upstream.close()
+            self._upstream = None
         self._upstream, error = await self._dial(self._addresses, event.port)
         reply = machine.upstream_result(self._upstream is not None, error)
         if self._upstream is None:
             log.debug("%s: %s:%d: %s", self._label, event.host, event.port, error)
             await self._close_with(reply)
             return False
+        self._upstream_for = (event.host.lower(), event.port)
+        self._kept = machine.state is State.EXCHANGE
         await self._send(reply)
         return True
 
@@ -598,20 +628,67 @@ class _Connection:
             result.error,
         )
 
-    # Client I/O during the handshake, bounded by its deadline.
+    # Client and upstream I/O, bounded by the handshake's deadline (on a kept-alive connection,
+    # past its first request's handshake, by the idle timeout from the last byte moved).
+
+    def _due(self) -> float:
+        if self._kept:
+            self._deadline = self._loop.time() + self._params.limits.idle_timeout_s
+        return self._deadline
 
     async def _recv(self) -> bytes:
         try:  # the request is usually there already: no timeout scope, no wait
             return self._client.recv(HANDSHAKE_READ_BYTES)
         except (BlockingIOError, InterruptedError):
             pass
-        async with asyncio.timeout_at(self._deadline):
+        async with asyncio.timeout_at(self._due()):
             return await self._loop.sock_recv(self._client, HANDSHAKE_READ_BYTES)
 
+    async def _recv_upstream(self) -> bytes:
+        upstream = self._upstream
+        assert upstream is not None  # an exchange has its upstream
+        try:
+            return upstream.recv(EXCHANGE_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            pass
+        async with asyncio.timeout_at(self._due()):
+            return await self._loop.sock_recv(upstream, EXCHANGE_READ_BYTES)
+
+    async def _recv_any(self, machine: HandshakeMachine) -> None:
+        """Feed the machine one chunk from whichever leg is readable first."""
+        upstream = self._upstream
+        assert upstream is not None  # an exchange has its upstream
+        while True:
+            for sock, feed in (
+                (upstream, machine.receive_upstream_data),
+                (self._client, machine.receive_data),
+            ):
+                try:
+                    data = sock.recv(EXCHANGE_READ_BYTES)
+                except (BlockingIOError, InterruptedError):
+                    continue
+                feed(data)
+                return
+            async with asyncio.timeout_at(self._due()):
+                await _either_readable(self._loop, self._client, upstream)
+
     async def _send(self, data: bytes) -> None:
-        if data:
-            async with asyncio.timeout_at(self._deadline):
-                await self._loop.sock_sendall(self._client, data)
+        await self._send_to(self._client, data)
+
+    async def _send_upstream(self, data: bytes) -> None:
+        assert self._upstream is not None  # an exchange has its upstream
+        await self._send_to(self._upstream, data)
+
+    async def _send_to(self, sock: socket.socket, data: bytes) -> None:
+        if not data:
+            return
+        try:  # a short write usually fits at once: no timeout scope, no wait
+            sent = sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < len(data):
+            async with asyncio.timeout_at(self._due()):
+                await self._loop.sock_sendall(sock, memoryview(data)[sent:])
 
     async def _close_with(self, reply: bytes) -> None:
         """Write a final reply, half-close, and let the client read it before the close."""
@@ -634,10 +711,31 @@ class _Connection:
         allowlist = self._proxies.allowlist
         asker = self._proxies._asker
         first = check_target(allowlist, event.host, event.port, ask=asker is not None)
-        verdict = await self._resolve(allowlist, first) if isinstance(first, Resolve) else first
+        if isinstance(first, Resolve):
+            peer = self._reusable_peer(event)
+            verdict = (
+                await self._resolve(allowlist, first)
+                if peer is None
+                else check_answers(allowlist, first, [peer])
+            )
+        else:
+            verdict = first
         if asker is None or not isinstance(verdict, Allowed) or not verdict.ask:
             return verdict
         return await self._ask(asker, event, verdict)
+
+    def _reusable_peer(self, event: CheckEgress) -> IPAddress | None:
+        """The address of the open upstream, if it was dialled for this forwarded target: the
+        name is checked against it, not resolved again (the machine reuses it if it is idle)."""
+        upstream = self._upstream
+        if upstream is None or event.kind != "forward":
+            return None
+        if self._upstream_for != (event.host.lower(), event.port):
+            return None
+        try:
+            return ipaddress.ip_address(upstream.getpeername()[0])
+        except (OSError, ValueError):
+            return None
 
     async def _resolve(self, allowlist: Allowlist, resolve: Resolve) -> Verdict:
         """Resolve a listed name once, within the handshake's deadline, and check the answers."""
@@ -728,6 +826,37 @@ class _Connection:
         except Exception:
             log.debug("%s: on_refused failed", self._label, exc_info=True)
         return how_to_allow
+
+
+def _idle(upstream: socket.socket) -> bool:
+    """Whether a kept upstream has sent nothing (not even its EOF) since its last response."""
+    try:
+        upstream.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return True
+    except OSError:
+        return False
+    return False  # bytes nobody asked for, or the upstream closed
+
+
+async def _either_readable(
+    loop: asyncio.AbstractEventLoop, first: socket.socket, second: socket.socket
+) -> None:
+    """Wait until one of two sockets is readable."""
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    fds = (first.fileno(), second.fileno())
+    for fd in fds:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        for fd in fds:
+            loop.remove_reader(fd)
 
 
 def _suggest(params: ProxyParams, host: str) -> str | None:

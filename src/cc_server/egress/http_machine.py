@@ -1,44 +1,51 @@
 """The HTTP proxy's client side as a sans-IO state machine (see `proto` for the driver protocol).
 
-What it accepts, one request per client connection:
+What it accepts, on one client connection:
 
 - ``CONNECT host:port`` (authority form; IPv6 as ``[::1]:443``; the port is required, 1..65535):
-  a tunnel. After ``200 Connection established`` the bytes the client pipelined behind its head
-  (typically the TLS ClientHello, often in the same packet) go upstream first.
-- An absolute-form plain-HTTP request, ``GET http://host[:port]/path`` (port 80 by default): the
-  proxy forwards it. The ``Host`` header must name the same host and port as the request target
-  (case-insensitive, default port elided), so the allowlist judges the host the origin server will
-  see. HTTP/1.0 requests without ``Host`` get one from the target.
+  a tunnel, the connection's last request. After ``200 Connection established`` the bytes the
+  client pipelined behind its head (typically the TLS ClientHello) go upstream first.
+- Absolute-form plain-HTTP requests, ``GET http://host[:port]/path`` (port 80 by default), as
+  many as the client sends (keep-alive): the proxy forwards each one. The ``Host`` header must
+  name the same host and port as the request target (case-insensitive, default port elided), so
+  the allowlist judges the host the origin server will see. HTTP/1.0 requests without ``Host``
+  get one from the target.
 
 Everything else is refused in-protocol: origin-form (``GET /x``: the client thinks this is an
 origin server), ``https://`` absolute URIs (use CONNECT), other schemes, user info or fragments in
-the target, a request head over `MAX_HEADER_BYTES` or `MAX_HEADERS` (431), transfer codings other
+the target, a request head over `MAX_HEADER_BYTES` or `MAX_HEADERS` (431), a head with obsolete
+line folding or a bare LF line end, or not starting with a method (400), transfer codings other
 than chunked (h11: 501), HTTP versions other than 1.0 and 1.1 (505).
 
-Parsing is h11's (`h11.Connection(h11.SERVER)`), used for the request head only. Once h11 returns
-the `Request`, everything it has not parsed yet (``Connection.trailing_data``) is the raw rest of
-the stream: a CONNECT's pipelined tunnel bytes, or the start of a plain request's body. The
-machine never asks h11 for body events: for a forwarded request it re-serialises the head itself
-in origin form and the driver relays the body as raw bytes in the client's own framing
-(Content-Length or chunked, which h11 has validated in the head). That is the simplest correct
-approach: the proxy never re-frames a body, so it cannot get the framing wrong.
+Both legs of a forward are h11 (`h11.Connection(h11.SERVER)` for the client,
+`h11.Connection(h11.CLIENT)` for the upstream), and nothing passes raw: each request is read as
+an h11 `Request` and body events, decided on its own (`CheckEgress`; a pipelined request is
+parsed only once the response before it has ended), and written again by h11 for the upstream
+in origin form; the response is read as h11 events and written again for the client. So each
+side gets exactly one framing, h11's: Content-Length or chunked (chunk extensions and trailers
+dropped), no body for HEAD, 204 and 304, 1xx passed on (a 101 is refused), and a response whose
+body ends at the upstream's EOF ends the client connection too (it says ``Connection: close``).
+A body h11 refuses (a bad chunk size or extension, a body cut short) ends the connection.
 
-One request per client connection: the forwarded head always says ``Connection: close``, so the
-origin closes after its response and the client must open a new proxy connection (and pass a new
-allowlist check) for its next request. Bytes a client pipelines behind the first request reach only
-the origin the allowlist approved, exactly as bytes inside a CONNECT tunnel do.
+An upstream is reused only for the next request decided for the same host and port (the
+driver also checks it has sent nothing since, `OpenUpstream.reuse`), and only if its last
+response ended cleanly with no byte after it: a response that sent more than it framed is
+never followed by a read on that connection.
 
 Forwarding drops ``Proxy-Authorization``, ``Proxy-Connection``, the hop-by-hop headers
 (``Connection``, ``Keep-Alive``, ``TE``, ``Upgrade``, ``Proxy-Authenticate``) and any header the
 client's ``Connection`` header names, except ``Host``, ``Content-Length`` and
-``Transfer-Encoding``, which the body framing and the Host check depend on. A request with both
-``Content-Length`` and ``Transfer-Encoding`` is refused (the classic smuggling shape, RFC 9112
-section 6.3).
+``Transfer-Encoding``, which the body framing and the Host check depend on; responses lose the
+same hop-by-hop headers. A request with both ``Content-Length`` and ``Transfer-Encoding`` is
+refused (the classic smuggling shape, RFC 9112 section 6.3), and so are differing
+``Content-Length`` values (h11). The forwarded request says ``Connection: close`` only when the
+client's connection ends after it (it said so, or is HTTP/1.0).
 """
 
 from __future__ import annotations
 
 import http
+import re
 from dataclasses import dataclass
 from typing import TypeAlias
 
@@ -47,12 +54,20 @@ import h11
 from cc_server.egress.proto import (
     MAX_HEADER_BYTES,
     MAX_HEADERS,
+    NEED_ANY_DATA,
     NEED_DATA,
+    NEED_UPSTREAM_DATA,
     CheckEgress,
+    CloseConnection,
+    Event,
     HandshakeMachine,
     NeedData,
+    OpenUpstream,
+    ProtocolError,
     ProtocolRefused,
     SendToClient,
+    SendUpstream,
+    State,
     parse_hostname,
     parse_ipv6,
 )
@@ -101,22 +116,35 @@ class _Target:
 
 
 class HttpProxyMachine(HandshakeMachine):
-    """One client connection to the HTTP proxy, from the first byte to `StartRelay`.
+    """One client connection to the HTTP proxy: its requests, each decided on its own, and for
+    forwarded ones the exchange with the upstream (`State.EXCHANGE`).
 
-    `receive_data`, `next_event`, `decide` and `upstream_result` are described on
-    `proto.HandshakeMachine`; they raise `proto.ProtocolError` only for driver mistakes.
+    `receive_data`, `receive_upstream_data`, `next_event`, `decide` and `upstream_result` are
+    described on `proto.HandshakeMachine`; they raise `proto.ProtocolError` only for driver
+    mistakes.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        # None once the relay owns the rest of the stream (h11 is never asked again).
+        # The client's leg. None once the relay owns the rest of the stream (a CONNECT).
         self._conn: h11.Connection | None = h11.Connection(
             h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES
         )
-        self._received = 0  # every byte fed, to measure the head once h11 has parsed it
-        self._first_byte: int | None = None
+        self._scan = True  # bytes came in since the buffered head was last scanned
+        self._first = True  # no request was read on this connection yet
         self._connect = False
-        self._forward_head = b""
+        self._request: h11.Request | None = None  # the decided request, for the upstream
+        self._target: tuple[str, int] = ("", 0)  # its (lower-case host, port)
+        # The upstream's leg of a forward, and the (lower-case host, port) it was dialled for.
+        self._up: h11.Connection | None = None
+        self._up_target: tuple[str, int] = ("", 0)
+        self._up_idle = False  # its last response ended cleanly, nothing after: reusable
+        self._reuse_offered = False
+        self._method = b""  # of the request in EXCHANGE
+        self._started = False  # its response head was sent to the client
+        self._eof_body = False  # its response body ends at the upstream's EOF
+        self._to_upstream = bytearray()
+        self._to_client = bytearray()
 
     @property
     def buffered_bytes(self) -> int:
@@ -124,20 +152,21 @@ class HttpProxyMachine(HandshakeMachine):
         return 0 if self._conn is None else len(self._conn.trailing_data[0])
 
     def _feed(self, data: bytes) -> None:
-        assert self._conn is not None  # fed only while READING
-        if self._first_byte is None and data:
-            self._first_byte = data[0]
-        self._received += len(data)
+        assert self._conn is not None  # fed only while READING or in EXCHANGE
+        self._scan = True
         self._conn.receive_data(data)
 
-    def _parse(self) -> NeedData | SendToClient | CheckEgress | ProtocolRefused:
-        # A request line starts with a method token. h11 checks this too, but only while the head
-        # is incomplete, with a different message than once it is complete; checking here gives
-        # the same answer however the bytes were split. (h11 would skip a leading empty line, a
-        # keep-alive leftover that cannot occur on a fresh one-request connection.)
-        if self._first_byte is not None and self._first_byte < 0x21:
-            return _refuse(400, "illegal request line")
+    def _feed_upstream(self, data: bytes) -> None:
+        assert self._up is not None  # EXCHANGE has an upstream
+        self._up.receive_data(data)
+
+    def _parse(self) -> NeedData | SendToClient | CheckEgress | ProtocolRefused | CloseConnection:
         assert self._conn is not None  # parsed only while READING
+        if self._scan:
+            self._scan = False
+            refused = _scan_head(self._conn.trailing_data[0])
+            if refused is not None:
+                return refused
         try:
             event = self._conn.next_event()
         except h11.RemoteProtocolError as exc:
@@ -146,12 +175,12 @@ class HttpProxyMachine(HandshakeMachine):
         if event is h11.NEED_DATA:
             return NEED_DATA
         if isinstance(event, h11.ConnectionClosed):
-            return ProtocolRefused(reply=b"", reason="client closed before sending a request")
-        # The first event h11 gives a server is a Request or ConnectionClosed; nothing else can
-        # come before the machine stops asking h11.
+            if self._first:
+                return ProtocolRefused(reply=b"", reason="client closed before sending a request")
+            return CloseConnection(reply=b"", reason="the client closed between requests")
+        # A server's h11 gives a Request or ConnectionClosed while it reads a request head.
         assert isinstance(event, h11.Request), event
-        if self._received - self.buffered_bytes > MAX_HEADER_BYTES:
-            return _refuse(431, _HEAD_TOO_LARGE)
+        self._first = False
         if len(event.headers) > MAX_HEADERS:
             return _refuse(431, f"more than {MAX_HEADERS} header fields")
         if event.http_version not in (b"1.0", b"1.1"):
@@ -196,8 +225,125 @@ class HttpProxyMachine(HandshakeMachine):
             refused = _check_host_header(host_header, parsed)
             if refused is not None:
                 return refused
-        self._forward_head = _forward_head(request, parsed, fields, add_host=host_header is None)
+        self._request = _upstream_request(request, parsed, fields, add_host=host_header is None)
+        self._target = (parsed.host.lower(), parsed.port)
+        self._method = request.method
         return CheckEgress(host=parsed.host, port=parsed.port, kind="forward")
+
+    def _open_upstream(self, check: CheckEgress) -> OpenUpstream:
+        # Reused only for the very host and port it was dialled for, and only when its last
+        # response ended cleanly with nothing after it.
+        self._reuse_offered = (
+            not self._connect
+            and self._up is not None
+            and self._up_idle
+            and self._up_target == self._target
+        )
+        return OpenUpstream(host=check.host, port=check.port, reuse=self._reuse_offered)
+
+    def _opened(self, reused: bool) -> bytes:
+        if self._connect:
+            return super()._opened(reused)
+        if reused and not self._reuse_offered:
+            raise ProtocolError("driver bug: reused=True where OpenUpstream offered no reuse")
+        if not reused:
+            self._up = h11.Connection(h11.CLIENT)
+            self._up_target = self._target
+        assert self._up is not None and self._request is not None
+        self._up_idle = False
+        self._to_upstream += self._up.send(self._request)
+        self._request = None
+        self._started = self._eof_body = False
+        self._state = State.EXCHANGE
+        return b""
+
+    def _exchange(self) -> Event:
+        conn, up = self._conn, self._up
+        assert conn is not None and up is not None  # EXCHANGE has both legs
+        try:
+            while conn.their_state is h11.SEND_BODY:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    break
+                if isinstance(event, h11.Data):
+                    self._to_upstream += up.send(event)
+                else:  # EndOfMessage: h11 raises for a body cut short; trailers are dropped
+                    assert isinstance(event, h11.EndOfMessage), event
+                    self._to_upstream += up.send(h11.EndOfMessage())
+        except h11.RemoteProtocolError as exc:
+            reason = f"bad request body: {exc}"
+            return (
+                ProtocolRefused(reply=b"", reason=reason) if self._started else _refuse(400, reason)
+            )
+        if self._to_upstream:
+            data, self._to_upstream = bytes(self._to_upstream), bytearray()
+            return SendUpstream(data=data)
+        try:
+            self._pass_response(conn, up)
+        except (h11.RemoteProtocolError, _UpstreamBroke) as exc:
+            reply = b"" if self._started else self._upstream_failed_reply(None, f"{exc}")
+            return CloseConnection(reply=bytes(self._to_client) + reply, reason=f"upstream: {exc}")
+        if self._to_client:
+            data, self._to_client = bytes(self._to_client), bytearray()
+            return SendToClient(data=data)
+        return self._after_response(conn, up)
+
+    def _pass_response(self, conn: h11.Connection, up: h11.Connection) -> None:
+        """Frame for the client what the upstream's response has sent so far."""
+        while up.their_state is h11.SEND_RESPONSE or up.their_state is h11.SEND_BODY:
+            event = up.next_event()
+            if event is h11.NEED_DATA:
+                return
+            if isinstance(event, h11.Data):
+                self._to_client += conn.send(event)
+            elif isinstance(event, h11.EndOfMessage):
+                self._to_client += conn.send(h11.EndOfMessage())
+            elif isinstance(event, h11.Response):
+                self._to_client += conn.send(self._client_response(event))
+                self._started = True
+            elif isinstance(event, h11.InformationalResponse) and event.status_code != 101:
+                headers = _hop_by_hop_dropped(_fields(event.headers))
+                self._to_client += conn.send(
+                    h11.InformationalResponse(
+                        status_code=event.status_code, headers=headers, reason=event.reason
+                    )
+                )
+            else:  # ConnectionClosed (h11 raises for a response cut short), or a 101
+                raise _UpstreamBroke(f"the upstream sent {type(event).__name__} mid-response")
+
+    def _client_response(self, response: h11.Response) -> h11.Response:
+        fields = _fields(response.headers)
+        headers = _hop_by_hop_dropped(fields)
+        framed = any(name in (b"content-length", b"transfer-encoding") for name, _, _ in fields)
+        if not framed and self._method != b"HEAD" and response.status_code not in (204, 304):
+            # The body ends at the upstream's EOF: so does this client connection.
+            self._eof_body = True
+            headers.append((b"Connection", b"close"))
+        return h11.Response(
+            status_code=response.status_code, headers=headers, reason=response.reason
+        )
+
+    def _after_response(self, conn: h11.Connection, up: h11.Connection) -> Event:
+        """Both legs said what they could: the next request, a read, or the end."""
+        if conn.our_state is h11.DONE or conn.our_state is h11.MUST_CLOSE:
+            self._up_idle = (
+                up.our_state is h11.DONE
+                and up.their_state is h11.DONE
+                and not self._eof_body
+                and not up.trailing_data[0]  # bytes past the response: never a next one
+            )
+            if self._up_idle:
+                up.start_next_cycle()
+            if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                conn.start_next_cycle()
+                self._state = State.READING
+                self._scan = True
+                return self._parse()
+            return CloseConnection(reply=b"", reason="the response ended the connection")
+        wants_client = conn.their_state is h11.SEND_BODY
+        if up.their_state is h11.SEND_RESPONSE or up.their_state is h11.SEND_BODY:
+            return NEED_ANY_DATA if wants_client else NEED_UPSTREAM_DATA
+        raise _UpstreamBroke("the exchange cannot go on")  # not reached: h11's states
 
     def _denied_reply(self, check: CheckEgress, reason: str, how_to_allow: str) -> bytes:
         where = _display(check.host, check.port)
@@ -217,7 +363,9 @@ class HttpProxyMachine(HandshakeMachine):
             ],
         )
 
-    def _upstream_failed_reply(self, check: CheckEgress, error: str) -> bytes:
+    def _upstream_failed_reply(self, check: CheckEgress | None, error: str) -> bytes:
+        check = check or self._check
+        assert check is not None  # a reply about an upstream follows its check
         where = _display(check.host, check.port)
         body = f"cc-server egress proxy could not connect to {where}: {error or 'failed'}\n"
         return _response(502, body, [(b"X-Cc-Server-Egress", b"upstream-failed")])
@@ -229,7 +377,41 @@ class HttpProxyMachine(HandshakeMachine):
         assert self._conn is not None  # the relay prefix is taken once
         rest = self._conn.trailing_data[0]
         self._conn = None  # the relay owns these bytes now; h11's buffer goes with it
-        return self._forward_head + rest
+        return rest
+
+
+class _UpstreamBroke(Exception):
+    """The upstream's response cannot be passed on (the upstream's fault)."""
+
+
+# The first bare LF, or a line end followed by a space or tab (obs-fold); a bare LF wins when
+# both start at the same byte.
+_HEAD_OFFENCE = re.compile(rb"(?<!\r)\n|\n[ \t]")
+
+
+def _scan_head(buffered: bytes) -> ProtocolRefused | None:
+    """Refuse what h11 would accept in the request head that starts `buffered`, and a proxy
+    must not: a request line not starting with a method token (h11 skips empty lines before
+    it, and checks only an incomplete head, with another message), obsolete line folding and
+    bare LF line ends (h11 unfolds and accepts them: a peer that reads them otherwise would
+    see other fields), and a head over `MAX_HEADER_BYTES`."""
+    if not buffered:
+        return None
+    if buffered[0] < 0x21:
+        return _refuse(400, "illegal request line")
+    ends = [at for at in (buffered.find(b"\n\r\n"), buffered.find(b"\n\n")) if at != -1]
+    end = min(ends) if ends else len(buffered)
+    # The first offence in the head's first MAX_HEADER_BYTES decides, so that the answer is
+    # the same however the bytes were split.
+    head = buffered[: min(end + 1, MAX_HEADER_BYTES)]
+    offence = _HEAD_OFFENCE.search(head)
+    if offence is not None:
+        if offence.group() == b"\n":
+            return _refuse(400, "bare LF in the request head")
+        return _refuse(400, "obsolete line folding in the request head")
+    if (end + 3 if ends else end) > MAX_HEADER_BYTES:
+        return _refuse(431, _HEAD_TOO_LARGE)
+    return None
 
 
 def _parse_absolute_target(target: str) -> _Target | ProtocolRefused:
@@ -304,24 +486,43 @@ def _check_host_header(value: bytes, target: _Target) -> ProtocolRefused | None:
     return None
 
 
-def _forward_head(
-    request: h11.Request, target: _Target, fields: list[_Field], *, add_host: bool
-) -> bytes:
-    named_by_connection = {
+def _fields(headers: h11._headers.Headers) -> list[_Field]:
+    return [(raw.lower(), raw, value) for raw, value in headers.raw_items()]
+
+
+def _connection_tokens(fields: list[_Field]) -> set[bytes]:
+    return {
         token.strip().lower()
         for name, _, value in fields
         if name == b"connection"
         for token in value.split(b",")
-    } - _KEPT_HEADERS
-    lines = [b"%s %s HTTP/%s" % (request.method, target.origin_form.encode(), request.http_version)]
+    }
+
+
+def _hop_by_hop_dropped(
+    fields: list[_Field], tokens: set[bytes] | None = None
+) -> list[tuple[bytes, bytes]]:
+    """The fields to pass on: not hop-by-hop, not named by Connection (framing and Host kept)."""
+    named = (_connection_tokens(fields) if tokens is None else tokens) - _KEPT_HEADERS
+    return [
+        (raw_name, value)
+        for name, raw_name, value in fields
+        if name not in _DROPPED_HEADERS and name not in named
+    ]
+
+
+def _upstream_request(
+    request: h11.Request, target: _Target, fields: list[_Field], *, add_host: bool
+) -> h11.Request:
+    tokens = _connection_tokens(fields)
+    headers = _hop_by_hop_dropped(fields, tokens)
     if add_host:
         host = f"[{target.host}]" if ":" in target.host else target.host
-        lines.append(b"Host: " + (host if target.port == 80 else f"{host}:{target.port}").encode())
-    for name, raw_name, value in fields:
-        if name not in _DROPPED_HEADERS and name not in named_by_connection:
-            lines.append(raw_name + b": " + value)
-    lines.append(b"Connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n"
+        value = host if target.port == 80 else f"{host}:{target.port}"
+        headers.insert(0, (b"Host", value.encode()))
+    if b"close" in tokens or request.http_version == b"1.0":
+        headers.append((b"Connection", b"close"))  # this client connection ends after it
+    return h11.Request(method=request.method, target=target.origin_form.encode(), headers=headers)
 
 
 def _refuse(status: int, reason: str) -> ProtocolRefused:

@@ -16,6 +16,12 @@ is one of:
   the bytes to write to the client (the success reply, or the failure reply).
 - `StartRelay`: write ``to_upstream`` upstream and ``to_client`` to the client, then relay raw
   bytes both ways; the machine is finished and is never fed again.
+- Only while a forwarded plain-HTTP request and its response pass through the HTTP machine
+  (`State.EXCHANGE`): `SendUpstream` (write these bytes upstream), `NEED_UPSTREAM_DATA` (read a
+  chunk from the upstream for `receive_upstream_data`), `NEED_ANY_DATA` (read from whichever of
+  the two is readable first), and `CloseConnection` (the conversation is over, not by the
+  client's fault: write ``reply`` and close). After a response the machine reads the client's
+  next request (`READING`), decided on its own.
 - `ProtocolRefused`: the client spoke the protocol wrongly or asked for something the proxy does
   not do; write ``reply`` (possibly empty) and close.
 
@@ -68,10 +74,13 @@ __all__ = [
     "MAX_HEADERS",
     "MAX_HEADER_BYTES",
     "MAX_HOSTNAME_BYTES",
+    "NEED_ANY_DATA",
     "NEED_DATA",
+    "NEED_UPSTREAM_DATA",
     "UPSTREAM_REFUSED",
     "UPSTREAM_UNREACHABLE",
     "CheckEgress",
+    "CloseConnection",
     "Event",
     "HandshakeMachine",
     "NeedData",
@@ -79,6 +88,7 @@ __all__ = [
     "ProtocolError",
     "ProtocolRefused",
     "SendToClient",
+    "SendUpstream",
     "StartRelay",
     "State",
 ]
@@ -112,6 +122,8 @@ class State(enum.Enum):
     """`CheckEgress` was returned; waiting for `decide()`."""
     OPENING = "OPENING"
     """Allowed; `OpenUpstream` is (or was) returned; waiting for `upstream_result()`."""
+    EXCHANGE = "EXCHANGE"
+    """A forwarded request and its response pass through the machine (HTTP only)."""
     RELAY = "RELAY"
     """Upstream is open; `StartRelay` is (or was) returned; the driver relays raw bytes."""
     CLOSED = "CLOSED"
@@ -121,16 +133,22 @@ class State(enum.Enum):
 
 
 class NeedData(enum.Enum):
-    """The type of the `NEED_DATA` sentinel (an enum member so that `is` narrows types)."""
+    """The type of the read sentinels (enum members so that `is` narrows types)."""
 
     NEED_DATA = "NEED_DATA"
+    NEED_UPSTREAM_DATA = "NEED_UPSTREAM_DATA"
+    NEED_ANY_DATA = "NEED_ANY_DATA"
 
     def __repr__(self) -> str:
-        return "NEED_DATA"
+        return self.value
 
 
 NEED_DATA: Final = NeedData.NEED_DATA
 """Read one chunk from the client and pass it to `receive_data` (``b""`` at EOF)."""
+NEED_UPSTREAM_DATA: Final = NeedData.NEED_UPSTREAM_DATA
+"""Read one chunk from the upstream and pass it to `receive_upstream_data` (``b""`` at EOF)."""
+NEED_ANY_DATA: Final = NeedData.NEED_ANY_DATA
+"""Read one chunk from whichever of the client and the upstream is readable first."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -139,6 +157,25 @@ class SendToClient:
 
     data: bytes
     """Bytes for the client (the SOCKS5 method selection)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SendUpstream:
+    """Write ``data`` to the upstream, then ask for the next event."""
+
+    data: bytes
+    """A forwarded request's head or body, framed by the machine."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CloseConnection:
+    """The conversation is over, and not by the client's fault: write ``reply`` (possibly
+    empty) to the client, then close both connections."""
+
+    reply: bytes
+    """The last bytes for the client (a 502 when the upstream failed before its response)."""
+    reason: str
+    """Why, for the log."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -167,6 +204,11 @@ class OpenUpstream:
     """Same spelling as in the `CheckEgress` that preceded it."""
     port: int
     """The target port, 1..65535."""
+    reuse: bool = False
+    """The upstream open now was dialled for this same host and port (a kept-alive forward):
+    answer ``upstream_result(True, reused=True)`` without dialling if it is still idle and has
+    sent nothing since its last response; otherwise close it and dial. False: close any
+    upstream held and dial."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,7 +237,14 @@ class ProtocolRefused:
 
 
 Event: TypeAlias = (
-    NeedData | SendToClient | CheckEgress | OpenUpstream | StartRelay | ProtocolRefused
+    NeedData
+    | SendToClient
+    | SendUpstream
+    | CheckEgress
+    | OpenUpstream
+    | StartRelay
+    | CloseConnection
+    | ProtocolRefused
 )
 """Everything `next_event()` returns."""
 
@@ -231,6 +280,9 @@ def _guarded(method: Callable[Concatenate[_M, _P], _R]) -> Callable[Concatenate[
     return guarded
 
 
+_FEEDABLE: Final = frozenset({State.READING, State.EXCHANGE})
+
+
 class HandshakeMachine(abc.ABC):
     """The call-order rules both proxy machines share; subclasses parse their protocol."""
 
@@ -239,6 +291,7 @@ class HandshakeMachine(abc.ABC):
         # True when the last next_event() returned NEED_DATA (and at the start): the only time the
         # driver may feed. This is what bounds every buffer to its limit plus one chunk.
         self._wants_data = True
+        self._wants_upstream = False  # the same for the upstream of a forwarded exchange
         self._eof = False
         self._check: CheckEgress | None = None
         # A command that decide()/upstream_result() queued and next_event() has not returned yet.
@@ -261,7 +314,7 @@ class HandshakeMachine(abc.ABC):
         Raises `ProtocolError` unless the last `next_event()` returned `NEED_DATA` (or nothing was
         asked yet), or after EOF was fed.
         """
-        if self._state is not State.READING or not self._wants_data:
+        if self._state not in _FEEDABLE or not self._wants_data:
             raise ProtocolError(
                 "driver bug: receive_data() is only allowed after next_event() returned "
                 f"NEED_DATA (state {self._state.value})"
@@ -269,8 +322,25 @@ class HandshakeMachine(abc.ABC):
         if self._eof:
             raise ProtocolError("driver bug: receive_data() after EOF (b'') was fed")
         self._wants_data = False
+        self._wants_upstream = False
         self._eof = not data
         self._feed(data)
+
+    @_guarded
+    def receive_upstream_data(self, data: bytes) -> None:
+        """Feed one chunk read from the upstream of a forwarded exchange; ``b""`` at EOF.
+
+        Raises `ProtocolError` unless the last `next_event()` returned `NEED_UPSTREAM_DATA` or
+        `NEED_ANY_DATA`.
+        """
+        if self._state is not State.EXCHANGE or not self._wants_upstream:
+            raise ProtocolError(
+                "driver bug: receive_upstream_data() is only allowed after next_event() returned "
+                f"NEED_UPSTREAM_DATA or NEED_ANY_DATA (state {self._state.value})"
+            )
+        self._wants_upstream = False
+        self._wants_data = False
+        self._feed_upstream(data)
 
     @_guarded
     def next_event(self) -> Event:
@@ -280,11 +350,14 @@ class HandshakeMachine(abc.ABC):
         `OpenUpstream` needs `upstream_result()`), after the conversation ended (`CLOSED`, or
         `StartRelay` was returned), or in `ERROR`.
         """
-        if self._state is State.READING:
-            event = self._parse()
-            if event is NEED_DATA:
+        if self._state is State.READING or self._state is State.EXCHANGE:
+            event = self._parse() if self._state is State.READING else self._exchange()
+            if event is NEED_DATA or event is NEED_ANY_DATA:
                 self._wants_data = True
-            elif isinstance(event, ProtocolRefused):
+                self._wants_upstream = event is NEED_ANY_DATA
+            elif event is NEED_UPSTREAM_DATA:
+                self._wants_upstream = True
+            elif isinstance(event, (ProtocolRefused, CloseConnection)):
                 self._state = State.CLOSED
             elif isinstance(event, CheckEgress):
                 self._check = event
@@ -317,7 +390,7 @@ class HandshakeMachine(abc.ABC):
             self._state = State.CLOSED
             return self._denied_reply(check, reason, how_to_allow)
         self._state = State.OPENING
-        self._queued = OpenUpstream(host=check.host, port=check.port)
+        self._queued = self._open_upstream(check)
         return b""
 
     @_guarded
@@ -341,16 +414,18 @@ class HandshakeMachine(abc.ABC):
         return self._check
 
     @_guarded
-    def upstream_result(self, ok: bool, error: str = "") -> bytes:
+    def upstream_result(self, ok: bool, error: str = "", *, reused: bool = False) -> bytes:
         """Answer `OpenUpstream`; return the bytes to write to the client.
 
         ``ok``: the success reply (HTTP ``200 Connection established`` for CONNECT, nothing for a
         forwarded request, SOCKS5 success), and `next_event()` returns `StartRelay`. Not ``ok``:
         the failure reply (HTTP 502 with ``error`` in its body; SOCKS5 0x05 for
         `UPSTREAM_REFUSED`, 0x04 for `UPSTREAM_UNREACHABLE`, 0x01 otherwise), and the machine is
-        `CLOSED`.
+        `CLOSED`. A forwarded plain-HTTP request goes to `EXCHANGE` instead of `StartRelay`;
+        ``reused``: the driver kept the upstream `OpenUpstream.reuse` offered.
 
-        Raises `ProtocolError` unless the last event was `OpenUpstream`.
+        Raises `ProtocolError` unless the last event was `OpenUpstream`, or for ``reused``
+        where no reuse was offered.
         """
         if self._state is not State.OPENING or self._queued is not None:
             raise ProtocolError(
@@ -361,9 +436,29 @@ class HandshakeMachine(abc.ABC):
         if not ok:
             self._state = State.CLOSED
             return self._upstream_failed_reply(self._check, error)
+        return self._opened(reused)
+
+    # Hooks with a default (the HTTP machine's forwarding overrides them).
+
+    def _open_upstream(self, check: CheckEgress) -> OpenUpstream:
+        """The command that follows an allowed check."""
+        return OpenUpstream(host=check.host, port=check.port)
+
+    def _opened(self, reused: bool) -> bytes:
+        """The upstream is open: go on (here: to the relay); return the reply for the client."""
+        if reused:
+            raise ProtocolError("driver bug: reused=True where OpenUpstream offered no reuse")
         self._state = State.RELAY
         self._queued = StartRelay(to_upstream=self._take_relay_prefix(), to_client=b"")
         return self._established_reply()
+
+    def _exchange(self) -> Event:
+        """The next event of a forwarded exchange; called only in EXCHANGE."""
+        raise ProtocolError("driver bug: this machine has no EXCHANGE state")
+
+    def _feed_upstream(self, data: bytes) -> None:
+        """Buffer a chunk from the upstream of a forwarded exchange."""
+        raise ProtocolError("driver bug: this machine has no EXCHANGE state")
 
     # What each protocol supplies.
 
@@ -372,7 +467,9 @@ class HandshakeMachine(abc.ABC):
         """Buffer a chunk (``b""``: EOF)."""
 
     @abc.abstractmethod
-    def _parse(self) -> NeedData | SendToClient | CheckEgress | ProtocolRefused:
+    def _parse(
+        self,
+    ) -> NeedData | SendToClient | CheckEgress | ProtocolRefused | CloseConnection:
         """Parse what is buffered; called only in READING."""
 
     @abc.abstractmethod

@@ -6,12 +6,15 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cc_server.egress.proto import (
+    NEED_ANY_DATA,
     NEED_DATA,
+    NEED_UPSTREAM_DATA,
     CheckEgress,
     Event,
     HandshakeMachine,
     OpenUpstream,
     SendToClient,
+    SendUpstream,
     StartRelay,
 )
 
@@ -29,6 +32,8 @@ def drive_machine(
     eof: bool = True,
     reason: str = "",
     how_to_allow: str = "",
+    response: bytes | None = None,
+    reuse: bool = True,
 ) -> list[Step]:
     """Run a fresh machine on `data`; return what it said and what the answers returned.
 
@@ -36,31 +41,49 @@ def drive_machine(
     input ran out without EOF. StartRelay.to_upstream is shown with the bytes not fed yet appended,
     as the relay would send them: where the handshake ends in the input depends on the split.
     SendToClient is recorded and the conversation goes on, as the driver does.
+
+    A forward's upstream sends `response` (in pieces of `chunk` too) and then EOF; None: it never
+    answers, and the transcript ends in NEED_UPSTREAM_DATA once the machine waits for it.
+    Consecutive SendUpstream (and SendToClient) events are one step, since how many there are
+    depends on the split. `reuse`: keep the upstream when OpenUpstream offers it.
     """
     machine = make()
     size = chunk or max(len(data), 1)
     pieces = iter([data[i : i + size] for i in range(0, len(data), size)])
+    answer = response or b""
+    answer_pieces = iter([answer[i : i + size] for i in range(0, len(answer), size)])
     transcript: list[Step] = []
-    for _ in range(len(data) + 10):
+    for _ in range(2 * (len(data) + len(answer)) + 30):
         event = machine.next_event()
-        if event is NEED_DATA:
+        if event is NEED_DATA or (event is NEED_ANY_DATA and response is None):
             piece = next(pieces, None)
             if piece is None and not eof:
                 return [*transcript, NEED_DATA]
             machine.receive_data(piece or b"")
             continue
+        if event is NEED_UPSTREAM_DATA or event is NEED_ANY_DATA:
+            if response is None:
+                return [*transcript, NEED_UPSTREAM_DATA]
+            machine.receive_upstream_data(next(answer_pieces, b""))
+            continue
         if isinstance(event, StartRelay):
             rest = b"".join(pieces)
             event = StartRelay(to_upstream=event.to_upstream + rest, to_client=event.to_client)
+        if isinstance(event, (SendUpstream, SendToClient)) and transcript:
+            last = transcript[-1]
+            if type(last) is type(event):
+                transcript.pop()
+                event = type(event)(data=last.data + event.data)  # type: ignore[union-attr]
         transcript.append(event)
         if isinstance(event, CheckEgress):
             transcript.append(("decide", machine.decide(allowed, reason, how_to_allow)))
             if not allowed:
                 return transcript
         elif isinstance(event, OpenUpstream):
-            transcript.append(("upstream", machine.upstream_result(ok, error)))
+            reused = event.reuse and reuse
+            transcript.append(("upstream", machine.upstream_result(ok, error, reused=reused)))
             if not ok:
                 return transcript
-        elif not isinstance(event, SendToClient):
+        elif not isinstance(event, (SendToClient, SendUpstream)):
             return transcript
     raise AssertionError("machine did not finish")

@@ -370,7 +370,7 @@ async def test_relay_without_splice_copies_exactly(monkeypatch: pytest.MonkeyPat
     assert answer.startswith(b"%d " % len(data))
 
 
-async def test_absolute_form_get_is_forwarded_with_connection_close() -> None:
+async def test_absolute_form_get_is_forwarded_in_origin_form_and_the_close_passed_on() -> None:
     seen: list[bytes] = []
 
     async def origin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -381,7 +381,8 @@ async def test_absolute_form_get_is_forwarded_with_connection_close() -> None:
     async with session() as s, upstream(origin) as port:
         request = (
             f"GET http://allowed.test:{port}/x?y=1 HTTP/1.1\r\n"
-            f"Host: allowed.test:{port}\r\nProxy-Connection: keep-alive\r\n\r\n"
+            f"Host: allowed.test:{port}\r\nProxy-Connection: keep-alive\r\n"
+            "Connection: close\r\n\r\n"
         ).encode()
         response = await refused_reply(s.proxies.http_port, request)
     assert response.startswith(b"HTTP/1.1 200 OK\r\n")

@@ -17,13 +17,16 @@ from cc_server.egress.http_machine import CONNECT_ESTABLISHED, HttpProxyMachine
 from cc_server.egress.proto import (
     MAX_HEADER_BYTES,
     MAX_HEADERS,
+    NEED_ANY_DATA,
     NEED_DATA,
+    NEED_UPSTREAM_DATA,
     CheckEgress,
     Event,
     HandshakeMachine,
     OpenUpstream,
     ProtocolRefused,
     SendToClient,
+    SendUpstream,
     StartRelay,
     State,
 )
@@ -32,8 +35,9 @@ from cc_server.egress.socks_machine import SOCKS4_REJECTED, Socks5Machine
 FUZZ = settings(max_examples=400, database=None, deadline=None)
 
 # Events a machine can produce besides NEED_DATA: SendToClient, CheckEgress, OpenUpstream,
-# StartRelay or a refusal. With one NEED_DATA per chunk and one for EOF, a run that needs more
-# next_event() calls than this is looping.
+# StartRelay or a refusal, and a forward's SendUpstream (one per chunk at most). With one
+# NEED_DATA per chunk and one for EOF, a run that needs more next_event() calls than this (plus
+# a SendUpstream per chunk) is looping.
 EVENTS_PER_CONVERSATION = 5
 
 Step = Event | tuple[str, bytes]
@@ -69,14 +73,25 @@ def run(machine: HandshakeMachine, chunks: list[bytes], answers: Answers) -> lis
 
     Returns the transcript: events other than NEED_DATA, and what decide()/upstream_result()
     returned; StartRelay.to_upstream includes the chunks not fed yet, as the relay sends them.
+    A forward's SendUpstream events are one ("sent upstream", bytes) step, however many there
+    were; the upstream never answers, so a forward that went upstream ends in
+    NEED_UPSTREAM_DATA (its request complete) or a refusal (its body broken or cut short).
     """
     pieces = iter(chunks)
     eof_fed = False
     transcript: list[Step] = []
-    for _ in range(len(chunks) + 1 + EVENTS_PER_CONVERSATION):
+    for _ in range(2 * len(chunks) + 1 + EVENTS_PER_CONVERSATION):
         event = machine.next_event()
         assert state(machine) is not State.ERROR
-        if event is NEED_DATA:
+        if isinstance(event, SendUpstream):
+            if transcript and transcript[-1][0] == "sent upstream":  # type: ignore[index]
+                event = SendUpstream(data=transcript.pop()[1] + event.data)  # type: ignore[index]
+            transcript.append(("sent upstream", event.data))
+            continue
+        if event is NEED_UPSTREAM_DATA or (event is NEED_ANY_DATA and eof_fed):
+            transcript.append(NEED_UPSTREAM_DATA)
+            return transcript
+        if event is NEED_DATA or event is NEED_ANY_DATA:
             assert not eof_fed, "asked for data after EOF: the connection would hang"
             piece = next(pieces, b"")
             eof_fed = not piece
@@ -277,11 +292,14 @@ def check_http_outcome(raw: bytes, transcript: list[Step]) -> None:
     if isinstance(last, tuple):  # denied or upstream failed: a 403 or a 502
         assert last[1].startswith((b"HTTP/1.1 403 Forbidden\r\n", b"HTTP/1.1 502 Bad Gateway\r\n"))
         return
-    assert isinstance(last, StartRelay)
     if check.kind == "connect":
+        assert isinstance(last, StartRelay)
         assert transcript[3] == ("upstream", CONNECT_ESTABLISHED)
         return
-    assert_valid_forwarded_request(last.to_upstream, check, original)
+    assert last is NEED_UPSTREAM_DATA
+    sent = transcript[4]
+    assert isinstance(sent, tuple) and sent[0] == "sent upstream"
+    assert_valid_forwarded_request(sent[1], check, original)
 
 
 def assert_head_within_limits(raw: bytes) -> h11.Request:
@@ -322,7 +340,15 @@ def assert_valid_forwarded_request(
     names = [name for name, _ in request.headers]
     assert b"proxy-authorization" not in names
     assert b"proxy-connection" not in names
-    assert [value for name, value in request.headers if name == b"connection"] == [b"close"]
+    # Connection: close only when this client connection ends after it (the client said so).
+    closing = original.http_version == b"1.0" or any(
+        token.strip().lower() == b"close"
+        for name, value in original.headers
+        if name == b"connection"
+        for token in value.split(b",")
+    )
+    connection = [value for name, value in request.headers if name == b"connection"]
+    assert connection == ([b"close"] if closing else [])
     (host_header,) = [value.decode() for name, value in request.headers if name == b"host"]
     if host_header.startswith("["):
         literal, _, port = host_header[1:].partition("]")
