@@ -14,7 +14,7 @@ import pytest
 from escape_kit import Sandboxes, attempts, outcomes, output, unique
 
 from cc_server.rundir import egress_base_dir
-from cc_server.runtime.handle import SandboxHandle
+from cc_server.runtime.handle import CollectedResult, SandboxHandle
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
 
@@ -41,6 +41,13 @@ def _sandbox_mounts(handle: SandboxHandle) -> dict[str, str]:
     return mounts
 
 
+async def _twice(sb: Sandboxes, handle: SandboxHandle, script: str) -> CollectedResult:
+    """Run `script` twice: the second run checks the first plan's reads again, as every later
+    command of a session does."""
+    await sb.sh(handle, script)
+    return await sb.sh(handle, script)
+
+
 def _bind_home(sb: Sandboxes) -> list[dict[str, str]]:
     return [{"hostPath": str(sb.worktree)}, {"hostPath": str(sb.home)}]
 
@@ -50,7 +57,7 @@ async def test_a_secret_that_appears_in_a_bound_directory_is_masked_for_the_next
 ) -> None:
     handle = sb.launch(bindMounts=_bind_home(sb))
     netrc = sb.home / ".netrc"
-    first = await sb.sh(handle, f"cat {netrc} 2>/dev/null; echo ran")
+    first = await _twice(sb, handle, f"cat {netrc} 2>/dev/null; echo ran")
     assert first.stdout == b"ran\n", output(first)  # control: nothing there yet
     marker = unique("CC-SECRET-NETRC")
     netrc.write_text(f"machine example.com password {marker}\n")
@@ -65,7 +72,7 @@ async def test_a_protected_path_that_appears_is_read_only_for_the_next_command(
 ) -> None:
     ledger = sb.worktree / "ledger"
     handle = sb.launch(protectedPaths=[str(ledger)])
-    await sb.sh(handle, "true")
+    await _twice(sb, handle, "true")
     ledger.mkdir()
     (ledger / "entry").write_text("original\n")
     result = await sb.sh(
@@ -85,7 +92,7 @@ async def test_a_secret_name_that_appears_as_a_symlink_masks_the_directory_it_na
     marker = unique("CC-SECRET-GNUPG")
     (stash / "key").write_text(f"{marker}\n")
     handle = sb.launch(bindMounts=_bind_home(sb))
-    first = await sb.sh(handle, f"cat {stash}/key")
+    first = await _twice(sb, handle, f"cat {stash}/key")
     assert marker.encode() in first.stdout, output(first)  # control: not a secret yet
     (sb.home / ".gnupg").symlink_to(stash)  # the secret's name now leads there
     second = await sb.sh(handle, attempts(read=f"grep -q {marker} {stash}/key",
@@ -103,7 +110,7 @@ async def test_a_directory_renamed_over_another_gets_its_protection_for_the_next
     (staged / "hooks").mkdir(parents=True)
     (staged / "config").write_text("[core]\n")
     handle = sb.launch()
-    await sb.sh(handle, "true")
+    await _twice(sb, handle, "true")
     os.rename(staged, dot_git)  # over the empty .git: a repository's hooks and config now
     result = await sb.sh(
         handle,
@@ -127,7 +134,7 @@ async def test_a_mount_of_the_servers_base_directory_under_a_bound_path_is_hidde
     peek = sb.worktree / "peek"
     peek.mkdir()
     handle = sb.launch()
-    first = await sb.sh(handle, f"ls -A {peek}; echo listed")
+    first = await _twice(sb, handle, f"ls -A {peek}; echo listed")
     assert first.stdout == b"listed\n", output(first)  # control: an empty directory
     base = pathlib.Path(egress_base_dir())  # the sessions' sockets live here
     assert any(p.name.startswith("egress-") for p in base.iterdir())

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 __all__ = ["HostReads"]
@@ -37,12 +37,14 @@ class HostReads:
         # (operation, path, limit) -> the first answer: a value, or the OSError raised.
         self._seen: dict[tuple[str, str, int], object] = {}
         self._realpath: dict[str, str] = {}
+        self._absent: frozenset[str] | None = None  # hold's missing ancestors, once found
 
     def _ask(self, op: str, path: str, limit: int = -1) -> object:
         key = (op, path, limit)
         found = self._seen.get(key, _MISSING)
         if found is _MISSING:
             found = self._seen[key] = _read(op, path, limit)
+            self._absent = None
         if isinstance(found, OSError):
             raise OSError(found.errno, found.strerror, path)
         return found
@@ -83,6 +85,7 @@ class HostReads:
         found = self._seen.get(("lstat", path, -1), _MISSING)
         if found is _MISSING:
             found = self._seen.setdefault(("lexists", path, -1), _read("lexists", path, -1))
+            self._absent = None
         return not isinstance(found, OSError)
 
     def isdir(self, path: str) -> bool:
@@ -139,15 +142,29 @@ class HostReads:
         return path, True
 
     def hold(self) -> bool:
-        """Whether every recorded read gets the same answer from the host now."""
+        """Whether every recorded read gets the same answer from the host now.
+
+        A path that did not exist is asked about through its shallowest missing ancestor,
+        found at the first `hold` (one question for `~/.config/gh`, `~/.config/op`, ... while
+        `~/.config` is missing): a lookup that fails at an ancestor fails for every path below
+        it, so the answer stays the recorded one while the ancestor is missing."""
         exists = _exists_now()
         seen = self._seen
-        lstat, access, f_ok = os.lstat, os.access, os.F_OK
+        if exists is not None and self._absent is None:
+            absent = _absent_ancestors(
+                path for (op, path, _), was in seen.items()
+                if op == "lexists" and was is not True and ("lstat", path, -1) not in seen
+            )
+            if absent is None:
+                return False
+            self._absent = absent
+        lstat, f_ok = os.lstat, os.F_OK
         for (op, path, limit), was in seen.items():
             if op == "lexists" and exists is not None:
-                if ("lstat", path, -1) in seen:  # asked again as an lstat, which says more
+                # A missing one: through `_absent`. One asked again as an lstat: that says more.
+                if was is not True or ("lstat", path, -1) in seen:
                     continue
-                if access(path, f_ok, follow_symlinks=False) is not (was is True):
+                if not exists(path, f_ok, follow_symlinks=False):
                     return False
             elif op == "lstat" and isinstance(was, os.stat_result):
                 try:
@@ -160,12 +177,39 @@ class HostReads:
                     return False
             elif not _same(was, _read(op, path, limit)):
                 return False
+        if exists is not None:
+            assert self._absent is not None
+            for path in self._absent:
+                if exists(path, f_ok, follow_symlinks=False):
+                    return False
         return True
 
     @property
     def questions(self) -> int:
         """How many questions `hold` asks again."""
         return len(self._seen)
+
+
+def _absent_ancestors(paths: Iterable[str]) -> frozenset[str] | None:
+    """For each path, the shallowest of it and its ancestors that is missing now (a path not in
+    plain absolute form stands for itself); None when one of them exists now."""
+    access, f_ok = os.access, os.F_OK
+    found: set[str] = set()
+    for path in paths:
+        if not path.startswith("/") or path.startswith("//") or os.path.normpath(path) != path:
+            if access(path, f_ok, follow_symlinks=False):
+                return None
+            found.add(path)
+            continue
+        prefix = ""
+        for part in path[1:].split("/"):
+            prefix = f"{prefix}/{part}"
+            if not access(prefix, f_ok, follow_symlinks=False):
+                found.add(prefix)
+                break
+        else:
+            return None
+    return frozenset(found)
 
 
 def _exists_now() -> Callable[..., bool] | None:

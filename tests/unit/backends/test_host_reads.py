@@ -55,6 +55,7 @@ def test_its_answers_are_the_hosts(tree: pathlib.Path) -> None:
 
 CHANGES = {
     "appears": lambda t: (t / "missing").mkdir(),
+    "appears below a missing one": lambda t: (t / "missing" / "deep").mkdir(parents=True),
     "goes": lambda t: (t / "d" / "f").unlink(),
     "symlink": lambda t: ((t / "d" / "e").rmdir(), (t / "d" / "e").symlink_to("/etc")),
     "renamed over": lambda t: ((t / "other").mkdir(), os.rename(t / "other", t / "d" / "e")),
@@ -73,9 +74,11 @@ def test_hold_sees_a_change_to_anything_it_was_asked(tree: pathlib.Path, change:
         reads.lexists(f"{tree}/{rel}")
         reads.isdir(f"{tree}/{rel}")
     reads.lexists(f"{tree}/missing")
+    reads.lexists(f"{tree}/missing/deep")
+    reads.lexists(f"{tree}/d/missing/deeper")
     reads.listdir(str(tree))
     reads.read(f"{tree}/d/f")
-    assert reads.hold()
+    assert reads.hold() and reads.hold()
     CHANGES[change](tree)
     assert not reads.hold()
 
