@@ -43,6 +43,7 @@ from cc_server.runtime.child import KILL_GRACE_S, Emit
 from cc_server.runtime.events import EventType, SandboxState
 from cc_server.runtime.execution import Execution
 from cc_server.runtime.handle import SandboxHandle
+from cc_server.tasks import start_task
 
 __all__ = ["GUEST_ENV", "MicroVMHandle", "NoHostPlanner", "VmChild"]
 
@@ -348,9 +349,12 @@ class MicroVMHandle(SandboxHandle):
             except BaseException as exc:  # cancelled included: never a VM left behind
                 await self._fail_closed(exc)
                 raise
-            # The VM runs in a directory of its own now: the one with the state goes.
+            # The VM runs in a directory of its own now: the one with the state goes, in a
+            # thread (freeing a ~60 MB file takes milliseconds; a killed server's is removed
+            # at the next boot, remove_stale_vm_dirs).
             suspended_dir, self._run_dir = self._run_dir, self._vm.run_dir
-            shutil.rmtree(suspended_dir, ignore_errors=True)
+            start_task(asyncio.to_thread(shutil.rmtree, suspended_dir, ignore_errors=True),
+                       name=f"microvm remove suspended state {self.session_id}")
             self.details["runDir"] = str(self._run_dir)
             self.details["qemuPid"] = self._vm.qemu.pid
             self.transition(SandboxState.WARM)

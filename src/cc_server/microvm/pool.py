@@ -98,6 +98,7 @@ class _Spare:
         qemu: Qemu | None = None
         try:
             qemu = await Qemu.launch(argv, self.run_dir)
+            await qemu.prepare_incoming(ignore_shared=self.key.ram is not None)
             self.inner_pid = await asyncio.to_thread(_deepest_descendant, qemu.pid)
             self.up.set_result(qemu)
             await asyncio.get_running_loop().create_future()  # until taken or discarded

@@ -410,6 +410,7 @@ class Qemu:
         self.run_dir = run_dir
         self.qmp: QmpClient | None = None
         self._transport: asyncio.SubprocessTransport | None = None
+        self._incoming_capabilities: bool | None = None  # x-ignore-shared, once set ahead
 
     @property
     def pid(self) -> int:
@@ -501,11 +502,23 @@ class Qemu:
         Raises:
             QmpError: QEMU refused to start the load.
         """
+        commands: list[QmpCommand] = []
+        if self._incoming_capabilities != ignore_shared:
+            commands.append(("migrate-set-capabilities", _ignore_shared(ignore_shared), None))
         await self._qmp().execute_many([
-            ("migrate-set-capabilities", _ignore_shared(ignore_shared), None),
+            *commands,
             ("getfd", {"fdname": "migration-in"}, fd),
             ("migrate-incoming", {"uri": "fd:migration-in"}, None),
         ])
+
+    async def prepare_incoming(self, *, ignore_shared: bool) -> None:
+        """Set the load's capabilities ahead of `start_incoming` (a spare, before it is needed).
+
+        Raises:
+            QmpError: QEMU refused them.
+        """
+        await self.execute("migrate-set-capabilities", _ignore_shared(ignore_shared))
+        self._incoming_capabilities = ignore_shared
 
     async def quit(self) -> None:
         """Ask QEMU to quit, then kill it if it lingers; killed too when cancelled. Idempotent."""
