@@ -32,7 +32,7 @@ def drive_machine(
     eof: bool = True,
     reason: str = "",
     how_to_allow: str = "",
-    response: bytes | None = None,
+    response: bytes | list[bytes] | None = None,
     reuse: bool = True,
 ) -> list[Step]:
     """Run a fresh machine on `data`; return what it said and what the answers returned.
@@ -42,21 +42,28 @@ def drive_machine(
     as the relay would send them: where the handshake ends in the input depends on the split.
     SendToClient is recorded and the conversation goes on, as the driver does.
 
-    A forward's upstream sends `response` (in pieces of `chunk` too) and then EOF; None: it never
-    answers, and the transcript ends in NEED_UPSTREAM_DATA once the machine waits for it.
+    A forward's upstream sends `response` (in pieces of `chunk` too) and then EOF; a list: each
+    request forwarded gets the next one (on a reused upstream too: its parser goes on); None:
+    it never answers, and the transcript ends in NEED_UPSTREAM_DATA once the machine waits.
     Consecutive SendUpstream (and SendToClient) events are one step, since how many there are
     depends on the split. `reuse`: keep the upstream when OpenUpstream offers it.
     """
     machine = make()
     size = chunk or max(len(data), 1)
-    pieces = iter([data[i : i + size] for i in range(0, len(data), size)])
-    answer = response or b""
-    answer_pieces = iter([answer[i : i + size] for i in range(0, len(answer), size)])
+    chunks = [data[i : i + size] for i in range(0, len(data), size)]
+    pieces = iter(chunks)
+    fed = 0  # client chunks fed so far
+    answers = [response] if isinstance(response, bytes) else list(response or [])
+    answer_pieces = iter([b""])
     transcript: list[Step] = []
-    for _ in range(2 * (len(data) + len(answer)) + 30):
+    for _ in range(2 * (len(data) + sum(map(len, answers))) + 30):
         event = machine.next_event()
-        if event is NEED_DATA or (event is NEED_ANY_DATA and response is None):
+        # Either leg readable: the client's bytes first while there are any (a body before
+        # its response), as they would be when the client sends its whole request at once.
+        client_first = response is None or fed < len(chunks)
+        if event is NEED_DATA or (event is NEED_ANY_DATA and client_first):
             piece = next(pieces, None)
+            fed += 1
             if piece is None and not eof:
                 return [*transcript, NEED_DATA]
             machine.receive_data(piece or b"")
@@ -73,7 +80,7 @@ def drive_machine(
             last = transcript[-1]
             if type(last) is type(event):
                 transcript.pop()
-                event = type(event)(data=last.data + event.data)  # type: ignore[union-attr]
+                event = type(event)(data=last.data + event.data)
         transcript.append(event)
         if isinstance(event, CheckEgress):
             transcript.append(("decide", machine.decide(allowed, reason, how_to_allow)))
@@ -81,6 +88,9 @@ def drive_machine(
                 return transcript
         elif isinstance(event, OpenUpstream):
             reused = event.reuse and reuse
+            if answers:
+                answer = answers.pop(0)
+                answer_pieces = iter([answer[i : i + size] for i in range(0, len(answer), size)])
             transcript.append(("upstream", machine.upstream_result(ok, error, reused=reused)))
             if not ok:
                 return transcript
