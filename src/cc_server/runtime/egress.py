@@ -19,6 +19,7 @@ import secrets
 import shutil
 import signal
 import socket
+import tempfile
 from collections.abc import Callable, Iterable
 from typing import Final, Protocol
 
@@ -413,7 +414,8 @@ class SessionEgress:
         """Every view of every base directory of this user, by device and inode
         (rundir.base_dir_views): the last ones found while every read they were found from
         gets the same answer from the host (backends/host_reads.py), else found again."""
-        key = (os.geteuid(), os.environ.get("TMPDIR"), os.environ.get("XDG_RUNTIME_DIR"))
+        key = (os.geteuid(), os.environ.get("TMPDIR"), os.environ.get("XDG_RUNTIME_DIR"),
+               tempfile.gettempdir())  # what base_dir_views takes from the process
         if self._views is not None and self._views[0] == key and self._views[1].hold():
             return self._views[2]
         reads = HostReads()

@@ -10,7 +10,8 @@ import pytest
 
 from cc_server.errors import EnforcementFailed
 from cc_server.rundir import names_of_dead_owners
-from cc_server.runtime.egress import egress_base_dir, remove_stale_session_dirs
+from cc_server.egress.patterns import Allowlist
+from cc_server.runtime.egress import SessionEgress, egress_base_dir, remove_stale_session_dirs
 
 
 def test_base_dir_under_xdg_runtime_dir(tmp_path: Path) -> None:
@@ -80,3 +81,20 @@ def test_names_of_dead_owners_are_only_matching_names_of_gone_processes(tmp_path
     pattern = re.compile(r"^x-(?P<pid>\d+)\Z")
     assert names_of_dead_owners(str(tmp_path), pattern) == [f"x-{dead}"]
     assert names_of_dead_owners(str(tmp_path / "missing"), pattern) == []
+
+
+def test_the_base_directory_views_are_found_again_when_a_base_appears(tmp_path: Path) -> None:
+    # The views a session's plans hide are kept between commands only while every read they
+    # were found from gets the same answer (rundir.base_dir_views through HostReads).
+    own = egress_base_dir({}, tmp_dir=str(tmp_path))
+    egress = SessionEgress(session_id="s", allowlist=Allowlist(), suggest=lambda _: None,
+                           on_violation=lambda _: None, base_dir=own)
+    first = egress._hidden_dirs()
+    assert own in first and egress._hidden_dirs() is first  # kept: nothing changed
+    (tmp_path / "run").mkdir()
+    other = egress_base_dir({"XDG_RUNTIME_DIR": str(tmp_path / "run")})  # registers itself
+    try:
+        assert other in egress._hidden_dirs()
+    finally:
+        os.rmdir(other)  # its registry entry is removed by the next lookup
+        assert other not in egress._hidden_dirs()
