@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from cc_server.egress.patterns import Allowlist
 from cc_server.errors import EnforcementFailed
 from cc_server.rundir import names_of_dead_owners
-from cc_server.egress.patterns import Allowlist
 from cc_server.runtime.egress import SessionEgress, egress_base_dir, remove_stale_session_dirs
 
 
