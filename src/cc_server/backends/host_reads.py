@@ -82,6 +82,8 @@ class HostReads:
 
     def lexists(self, path: str) -> bool:
         """`os.path.lexists(path)`, recorded as a yes or no (one lstat)."""
+        if "\0" in path:  # os.path.lexists says no without asking the host
+            return False
         found = self._seen.get(("lstat", path, -1), _MISSING)
         if found is _MISSING:
             found = self._seen.setdefault(("lexists", path, -1), _read("lexists", path, -1))

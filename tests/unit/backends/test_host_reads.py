@@ -44,6 +44,7 @@ def test_its_answers_are_the_hosts(tree: pathlib.Path) -> None:
         assert reads.realpath(path) == os.path.realpath(path), rel
         assert reads.lexists(path) == os.path.lexists(path), rel
         assert reads.isdir(path) == os.path.isdir(path), rel
+    assert not reads.lexists(f"{tree}/d\0") and not reads.isdir(f"{tree}/d\0")
     assert reads.listdir(str(tree)) == sorted(os.listdir(tree))
     assert reads.read(f"{tree}/d/f") == b"x"
     with pytest.raises(FileNotFoundError):
