@@ -1,7 +1,8 @@
 """The supervisor's fast path for an open, attacked where it now skips work: a bare name is judged
 in the directory the task starts from (its cwd, its dirfd, the root) without that directory being
-opened again, and a file made by O_CREAT|O_EXCL is not checked for being a terminal or an object
-of a kernel filesystem. Real bubblewrap; each case checks the host afterwards.
+opened again, a path of plain names is judged as the start directory's path joined with it
+without its parent being opened, and a file made by O_CREAT|O_EXCL is not checked for being a
+terminal or an object of a kernel filesystem. Real bubblewrap; each case checks the host afterwards.
 """
 
 from __future__ import annotations
@@ -238,3 +239,42 @@ async def test_creates_follow_each_cwd_of_a_process_and_its_child(
     assert b == {f"f{i}" for i in range(0, 30, 2)} | {"after-thread"}, out
     assert (wt / "parent").is_file() and (wt / "s_d" / "absolute").is_file(), out
     assert refusals(handle) == [], out
+
+
+# name -> (path as the command spells it, from the worktree, path refused below the worktree):
+# an exclusive create of a protected name several directories down. The supervisor judges the
+# start directory's path joined with a path of plain names without opening the parent; a spelling
+# with ".", "..", an empty component or a symlink goes to the walk. Either way it is refused, once.
+SPELLED: dict[str, tuple[str, str]] = {
+    "plain-names": ("a/b/c/.mcp.json", "a/b/c/.mcp.json"),
+    "dot": ("a/./b/.mcp.json", "a/b/.mcp.json"),
+    "double-slash": ("a//b/.mcp.json", "a/b/.mcp.json"),
+    "dot-dot": ("a/b/c/../.mcp.json", "a/b/.mcp.json"),
+    "symlinked-dir": ("lnk/c/.mcp.json", "a/b/c/.mcp.json"),
+    "other-case": ("a/b/.MCP.json", "a/b/.MCP.json"),
+    "tree-pattern": ("a/.ssh/authorized_keys", "a/.ssh/authorized_keys"),
+    "under-dot-claude": ("a/b/.claude/settings.json", "a/b/.claude/settings.json"),
+    "absolute": ("{wt}/a/b/.bash_aliases", "a/b/.bash_aliases"),
+    "hook-by-path": ("repoA/.git/hooks/pre-commit", "repoA/.git/hooks/pre-commit"),
+    "hook-of-a-bare-repo": ("bare.git/hooks/post-update", "bare.git/hooks/post-update"),
+    "commondir-by-path": ("bare.git/commondir", "bare.git/commondir"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPELLED))
+async def test_a_protected_name_deep_down_is_refused_however_spelled(
+    sb: Sandboxes, tmp_path: pathlib.Path, name: str
+) -> None:
+    wt = sb.worktree
+    _plant(wt)
+    for d in ("a/b/c", "a/.ssh", "a/b/.claude"):
+        (wt / d).mkdir(parents=True)
+    (wt / "lnk").symlink_to("a/b")
+    spelled, rel = SPELLED[name]
+    spelled = spelled.format(wt=wt)
+    before = tree_state(wt)
+    body = f"os.close(os.open({spelled!r}, {EXCL}, 0o755))"
+    handle, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=refused [Errno 13]" in out, out
+    assert tree_state(wt) == before, out
+    assert refusals(handle) == [("file-write-create", f"{wt}/{rel}")], (refusals(handle), out)

@@ -352,9 +352,9 @@ static void *worker(void *arg) {
         }
         struct pollfd p[2] = {{.fd = s->listener, .events = POLLIN},
                               {.fd = s->stop_fd, .events = POLLIN}};
-        int timeout = atomic_load(&s->nhelpers)                            ? HELPER_POLL_MS
-                      : worker_held_on >= 0 || atomic_load(&s->pin_tid) ? PIN_IDLE_MS
-                                                                          : -1;
+        int timeout = atomic_load(&s->nhelpers) ? HELPER_POLL_MS
+                      : worker_held_on >= 0     ? PIN_IDLE_MS
+                                                : -1;
         if (index > 0) { /* back to standby when the crowd is gone */
             long long left = (atomic_load(&s->crowded_until) - now_ns()) / 1000000 + 1;
             if (timeout < 0 || left < timeout)
@@ -374,7 +374,6 @@ static void *worker(void *arg) {
         }
         if (r == 0) {
             worker_release_cpu();
-            pin_release(s);
             if (atomic_load(&s->nhelpers))
                 rescue_helpers(s, false);
             continue;
@@ -410,7 +409,6 @@ static void *worker(void *arg) {
                     pthread_mutex_unlock(&s->lock);
                 }
                 worker_release_cpu();
-                pin_release(s);
             }
             last_tid = (pid_t)notif.pid;
             struct timespec t0, t1;
@@ -444,7 +442,6 @@ static void destroy(struct ccs *s) {
         close(s->proc_fd);
     pthread_mutex_destroy(&s->recv_lock);
     pthread_mutex_destroy(&s->lock);
-    pthread_mutex_destroy(&s->pin_lock);
     pthread_cond_destroy(&s->cond);
     pthread_cond_destroy(&s->crowd_cond);
     free(s->globs);
@@ -519,10 +516,8 @@ struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, 
     pthread_mutex_init(&s->wt_lock, NULL);
     s->stop_fd = -1;
     s->proc_fd = -1;
-    s->pin_pidfd = -1;
     pthread_mutex_init(&s->recv_lock, NULL);
     pthread_mutex_init(&s->lock, NULL);
-    pthread_mutex_init(&s->pin_lock, NULL);
     pthread_cond_init(&s->cond, NULL);
     pthread_cond_init(&s->crowd_cond, NULL);
     if (nworkers < 1 || nworkers > 64 || globs_len == 0 || globs[globs_len - 1] != '\0') {
@@ -741,7 +736,6 @@ CCS_API void ccs_stop(struct ccs *s) {
             pthread_cond_timedwait(&s->cond, &s->lock, &deadline);
     }
     pthread_mutex_unlock(&s->lock);
-    pin_release(s); /* a task still held (it may outlive a stopped supervisor) */
     close(s->listener);
     close(s->report_fd);
     destroy(s);

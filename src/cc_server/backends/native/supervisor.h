@@ -119,9 +119,8 @@
 #define MAX_CONNECTS 64           /* connects the connector runs at once (launcher.c) */
 #define MAX_OWN_WORKTREES 64      /* .git/worktrees/<name> directories a sandbox made, tracked */
 #define MAX_PREFIXES 256          /* proper prefixes of the path patterns (prefix_hits) */
-#define PIN_IDLE_MS 1             /* a worker and a task held to one CPU for a run of opens
-                                     (hold_here) get their own affinity back after this long
-                                     without a call */
+#define PIN_IDLE_MS 1             /* a worker held to its CPU for a run of opens (hold_here) gets
+                                     its own affinity back after this long without a call */
 #define CROWD_MS 10               /* after calls of two tasks overlap: how long every worker polls
                                      and opens are answered without holding a task to a CPU */
 
@@ -209,12 +208,6 @@ struct ccs {
         int pidfd; /* -1: not known (then only its next call retires it) */
     } fs_inflight[MAX_FS_INFLIGHT];
     atomic_ullong replies_here; /* opens answered with the task kept on the worker's CPU */
-    /* The task hold_here holds to a CPU, if any (one at a time), under pin_lock. */
-    pthread_mutex_t pin_lock;
-    atomic_int pin_tid; /* 0: none */
-    int pin_pidfd;      /* the task's own pidfd (a dup), or -1 */
-    int pin_cpu;
-    cpu_set_t pin_saved; /* its affinity before */
     bool sync_wake; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP was accepted */
     bool reply_here; /* answer opens on the worker's CPU (hold_here) */
     /* connect(2), done by the launcher's connector inside the sandbox (do_connect): its
@@ -343,6 +336,8 @@ bool shape_refused(const struct ccs *s, int dir_fd, const char *name, bool repla
 bool completes_shape(const struct ccs *s, int dir_fd, const char *name, const char **which);
 bool path_refused(const struct ccs *s, int dir_fd, const char *name, const char **which);
 bool ancestor_refused(const struct ccs *s, int dir_fd, const char *name, const char **which);
+bool lexically_clear(const struct ccs *s, int start, const char *rel, const char *name,
+                     bool creating);
 bool object_refused(struct req *q, int obj, const char **which);
 
 /* supervisor_emulate.c */
@@ -372,8 +367,8 @@ void do_bind(struct req *q, int sockfd, uint64_t addr_ptr, uint64_t addrlen);
 long long now_ns(void);
 bool crowded(struct ccs *s);
 void worker_release_cpu(void);
-void pin_release(struct ccs *s);
-bool hold_here(struct ccs *s, pid_t tid, int pidfd);
+bool hold_here(struct ccs *s, pid_t tid, int *cpu, cpu_set_t *saved);
+void hold_release(struct ccs *s, pid_t tid, int cpu, const cpu_set_t *saved);
 
 /* supervisor_report.c */
 void report(struct ccs *s, char kind, const char *sysname, const char *target,
@@ -381,7 +376,7 @@ void report(struct ccs *s, char kind, const char *sysname, const char *target,
 void report_error(struct req *q, const char *target, const char *fmt, ...);
 void respond_continue(struct ccs *s, uint64_t id);
 void respond(struct ccs *s, uint64_t id, int64_t val, int err);
-void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool cloexec);
+void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cloexec);
 bool id_valid(struct ccs *s, uint64_t id);
 void report_refusal(struct req *q, const char *target, const char *name,
                     const char *rule, const char *action);

@@ -69,7 +69,7 @@ static void open_fifo(struct req *q, int obj_fd, int flags) {
             if (!(flags & O_NONBLOCK))
                 fcntl(fd, F_SETFL, flags & (O_APPEND | O_DIRECT | O_NOATIME));
             close(obj_fd);
-            respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, cloexec);
+            respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, cloexec);
             return;
         }
         if ((flags & O_NONBLOCK) || errno != ENXIO) {
@@ -141,7 +141,7 @@ static void *fifo_helper(void *arg) {
     close(h->obj_fd);
     pthread_mutex_unlock(&s->lock);
     if (fd >= 0)
-        respond_fd(s, h->id, 0, -1, fd, h->cloexec); /* a helper keeps no CPU affinity to give */
+        respond_fd(s, h->id, 0, fd, h->cloexec); /* a helper keeps no CPU affinity to give */
     else
         respond(s, h->id, 0, err);
     pthread_mutex_lock(&s->lock);
@@ -272,7 +272,7 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     const char *rel = path;
     while (*rel == '/')
         rel++;
-    if (has_path_rules(s)) {
+    if (has_path_rules(s) && !lexically_clear(s, start, rel, name, flags & O_CREAT)) {
         /* A path rule needs the pinned directory: the parent first (one openat2, nothing on
          * the way a symlink or a magic link; for a bare name, the start directory itself), the
          * rules on its path and the name, then the open of that one name from it. A refusal,
@@ -343,7 +343,7 @@ static bool open_beneath(struct req *q, int dirfd, const char *path, int flags, 
     }
     if (!(flags & O_NONBLOCK) && !(flags & O_EXCL))
         fcntl(fd, F_SETFL, flags & SETFL_KEEP);
-    respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, flags & O_CLOEXEC);
+    respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, flags & O_CLOEXEC);
     return true;
 }
 
@@ -490,7 +490,7 @@ void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mod
     res_close(&r);
     if (!(flags & O_NONBLOCK) && !(flags & O_EXCL) && !opath)
         fcntl(fd, F_SETFL, flags & SETFL_KEEP);
-    respond_fd(s, q->n->id, (pid_t)q->n->pid, q->pidfd, fd, cloexec);
+    respond_fd(s, q->n->id, (pid_t)q->n->pid, fd, cloexec);
 }
 
 /* A name about to be created by mknod, mkdir, symlink, link or bind: checked, then made. */

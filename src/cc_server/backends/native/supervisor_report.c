@@ -92,8 +92,10 @@ void respond(struct ccs *s, uint64_t id, int64_t val, int err) {
 
 /* Hand `fd` to the task as the syscall's result (its thread `tid`, or 0 for no hold: see
  * hold_here); our copy is closed. */
-void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool cloexec) {
-    bool held = tid > 0 && hold_here(s, tid, pidfd);
+void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int fd, bool cloexec) {
+    cpu_set_t saved;
+    int cpu = -1;
+    bool held = tid > 0 && hold_here(s, tid, &cpu, &saved);
     struct seccomp_notif_addfd addfd;
     memset(&addfd, 0, sizeof addfd);
     addfd.id = id;
@@ -105,9 +107,9 @@ void respond_fd(struct ccs *s, uint64_t id, pid_t tid, int pidfd, int fd, bool c
     addfd.newfd_flags = cloexec ? O_CLOEXEC : 0;
     int r = ioctl(s->listener, SECCOMP_IOCTL_NOTIF_ADDFD, &addfd);
     int err = errno;
-    close(fd);
     if (held)
-        pin_release(s);
+        hold_release(s, tid, cpu, &saved);
+    close(fd);
     if (r >= 0 && held) {
         atomic_fetch_add(&s->replies_here, 1);
         respond(s, id, r, 0);

@@ -556,6 +556,57 @@ bool path_refused(const struct ccs *s, int dir_fd, const char *name, const char 
              own_worktree((struct ccs *)s, dir_fd));
 }
 
+/* Whether the path rules clear `rel` (a path of plain names: no "." or "..", no empty component)
+ * from the directory `start` without pinning its parent: what open_beneath asks before it opens
+ * `rel` with one openat2 that follows no symlink and no magic link and stays beneath `start`.
+ * Such an openat2 reaches exactly the names in `rel`, so the path it opens is the start's path
+ * (read from its fd, never the task's string) joined with `rel`, as a pinned parent's path joined
+ * with the name would be: the same rules decide it, on the same kind of string. Only what the
+ * strings settle is cleared here: a name whose rule looks at the directory it is in (a git
+ * control name, HEAD, objects, refs, a worktree's own files) or a path through hooks/, modules/
+ * or worktrees/ (their rules walk up the directories) returns false, and so does a refusal: the
+ * caller then takes the pinned parent, which decides (and reports) as before. */
+static bool plain_relative(const char *rel) {
+    for (const char *at = rel;;) {
+        const char *end = strchr(at, '/');
+        size_t n = end ? (size_t)(end - at) : strlen(at);
+        if (n == 0 || (n == 1 && at[0] == '.') || (n == 2 && at[0] == '.' && at[1] == '.'))
+            return false;
+        if (!end)
+            return true;
+        at = end + 1;
+    }
+}
+
+bool lexically_clear(const struct ccs *s, int start, const char *rel, const char *name,
+                     bool creating) {
+    static const char *const dir_names[] = {"config", "commondir", "config.worktree", "hooks",
+                                            "modules", "gitdir", "locked", "HEAD", "objects",
+                                            "refs", NULL};
+    for (int i = 0; dir_names[i]; i++)
+        if (strcasecmp(name, dir_names[i]) == 0)
+            return false;
+    if (!plain_relative(rel) || !fd_path(start, judged, PATH_MAX))
+        return false;
+    size_t n = strlen(judged), k = strlen(rel);
+    if (n + 1 + k >= sizeof judged)
+        return false; /* longer than a path can be: the walk answers */
+    if (n > 1)
+        judged[n++] = '/';
+    memcpy(judged + n, rel, k + 1);
+    if (strcasestr(judged, "/hooks/") || strcasestr(judged, "/modules/") ||
+        strcasestr(judged, "/worktrees/"))
+        return false;
+    const char *which;
+    if (full_path_refused(s, judged, name, &which))
+        return false;
+    if (creating)
+        for (int i = 0; i < s->nabsolutes; i++)
+            if (path_under(s->absolutes[i], judged))
+                return false; /* on the way to a protected path: ancestor_refused decides */
+    return true;
+}
+
 /* Whether `name` in `dir_fd` lies on the way to a protected path (an absolute rule below it): such
  * a name may not be removed, renamed or made as anything but a directory, or the protected
  * spelling would lead elsewhere (`rm L && ln -s elsewhere L` re-points L/settings.json). */
