@@ -319,8 +319,12 @@ class HttpProxyMachine(HandshakeMachine):
             # The body ends at the upstream's EOF: so does this client connection.
             self._eof_body = True
             headers.append((b"Connection", b"close"))
-        return h11.Response(
-            status_code=response.status_code, headers=headers, reason=response.reason
+        return h11.Response(  # `_parsed`: as in `_upstream_request`
+            status_code=response.status_code,
+            headers=headers,
+            reason=response.reason,
+            http_version=b"1.1",
+            _parsed=True,
         )
 
     def _after_response(self, conn: h11.Connection, up: h11.Connection) -> Event:
@@ -522,7 +526,15 @@ def _upstream_request(
         headers.insert(0, (b"Host", value.encode()))
     if b"close" in tokens or request.http_version == b"1.0":
         headers.append((b"Connection", b"close"))  # this client connection ends after it
-    return h11.Request(method=request.method, target=target.origin_form.encode(), headers=headers)
+    # `_parsed`: the fields are h11's own parse of the client's head (or ours, constant and
+    # valid), so h11 need not match each against its grammar again; the framing checks run.
+    return h11.Request(
+        method=request.method,
+        target=target.origin_form.encode(),
+        headers=headers,
+        http_version=b"1.1",
+        _parsed=True,
+    )
 
 
 def _refuse(status: int, reason: str) -> ProtocolRefused:
