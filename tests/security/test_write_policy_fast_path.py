@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
+from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, run_attack
+from other_user import OtherUser, remove
 from write_kit import refusals, tree_state
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -182,6 +184,31 @@ CWD_CHANGED: dict[str, str] = {
         "t = threading.Thread(target=hop); t.start(); done.wait()\n"
         f"try:\n    os.open('pre-commit', {EXCL}, 0o755)\nfinally:\n    go.set(); t.join()"
     ),
+    "chdir-by-a-process-sharing-the-cwd": (  # clone(CLONE_FS): another process, one cwd
+        "import ctypes\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"os.close(os.open('s_warm', {EXCL}))\n"
+        "r, w = os.pipe()\n"
+        "nr = {'x86_64': 56, 'aarch64': 220}[os.uname().machine]\n"
+        "pid = libc.syscall(nr, 0x200 | 17, 0, 0, 0, 0)\n"  # clone(CLONE_FS | SIGCHLD)
+        "if pid == 0:\n    os.chdir('repoA/.git/hooks'); os.write(w, b'x'); os._exit(0)\n"
+        "assert pid > 0, ctypes.get_errno()\n"
+        "os.read(r, 1); os.waitpid(pid, 0)\n"
+        f"os.open('pre-commit', {EXCL}, 0o755)"
+    ),
+    "chdir-by-a-process-sharing-the-cwd-that-lives-on": (
+        "import ctypes, signal\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        f"os.close(os.open('s_warm', {EXCL}))\n"
+        "r, w = os.pipe()\n"
+        "nr = {'x86_64': 56, 'aarch64': 220}[os.uname().machine]\n"
+        "pid = libc.syscall(nr, 0x200 | 17, 0, 0, 0, 0)\n"
+        "if pid == 0:\n    os.chdir('repoA/.git/hooks'); os.write(w, b'x'); signal.pause()\n"
+        "assert pid > 0, ctypes.get_errno()\n"
+        "os.read(r, 1)\n"
+        f"try:\n    os.open('pre-commit', {EXCL}, 0o755)\n"
+        "finally:\n    os.kill(pid, 9); os.waitpid(pid, 0)"
+    ),
     "many-chdirs": (
         "for i in range(40):\n"
         "    os.chdir('/' if i % 2 else os.environ['WT'])\n"
@@ -278,3 +305,51 @@ async def test_a_protected_name_deep_down_is_refused_however_spelled(
     assert "RESULT=refused [Errno 13]" in out, out
     assert tree_state(wt) == before, out
     assert refusals(handle) == [("file-write-create", f"{wt}/{rel}")], (refusals(handle), out)
+
+
+# The same fast paths as an unprivileged user through the CLI: a protected name several
+# directories down (judged on the joined path), another spelling of it (the walk), a create after
+# a process that shares the cwd (clone(CLONE_FS)) moved it, and ordinary creates beside them.
+AS_USER_SCRIPT = (
+    "python3 -c \"import os; os.open('a/b/c/.mcp.json', os.O_CREAT | os.O_EXCL | os.O_WRONLY)\" "
+    "2>/dev/null; echo deep=$?; "
+    "python3 -c \"import os; os.open('a//b/./c/.bash_aliases', os.O_CREAT | os.O_WRONLY)\" "
+    "2>/dev/null; echo spelled=$?; "
+    "python3 -c \"import ctypes, os; l = ctypes.CDLL(None); "
+    "os.close(os.open('s_warm', os.O_CREAT | os.O_EXCL | os.O_WRONLY)); r, w = os.pipe(); "
+    "nr = {'x86_64': 56, 'aarch64': 220}[os.uname().machine]; "
+    "pid = l.syscall(nr, 0x200 | 17, 0, 0, 0, 0); "
+    "pid or (os.chdir('repoA/.git/hooks'), os.write(w, b'x'), os._exit(0)); "
+    "os.read(r, 1); os.waitpid(pid, 0); "
+    "os.open('pre-commit', os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o755)\" 2>/dev/null; "
+    "echo shared-cwd=$?; "
+    "echo ok > a/b/c/s_fine && (cd a/b && echo ok > s_near); echo fine=$?"
+)
+
+
+@pytest.fixture
+def user_dir(other_user: OtherUser) -> Iterator[pathlib.Path]:
+    path = other_user.workdir()
+    yield path
+    remove(path)
+
+
+def test_as_an_unprivileged_user_the_fast_paths_refuse_the_same(
+    other_user: OtherUser, user_dir: pathlib.Path
+) -> None:
+    _plant(user_dir)
+    (user_dir / "a" / "b" / "c").mkdir(parents=True)
+    subprocess.run(["chown", "-R", f"{other_user.uid}:{other_user.gid}", str(user_dir)], check=True)
+    before = tree_state(user_dir)
+    done = other_user.run(
+        ["/usr/bin/python3", "-m", "cc_server.cli", "run", "--bind", str(user_dir),
+         "--workdir", str(user_dir), "--", "/bin/sh", "-c", AS_USER_SCRIPT],
+        cwd=user_dir, env={"CC_SERVER_DAEMON": "off"},
+    )  # fmt: skip
+    assert done.stdout.splitlines() == ["deep=1", "spelled=1", "shared-cwd=1", "fine=0"], (
+        done.stdout, done.stderr)  # fmt: skip
+    made = {k for k in tree_state(user_dir) if k not in before}
+    assert made == {"a/b/c/s_fine", "a/b/s_near"}, (made, done.stderr)
+    assert (user_dir / "s_warm").exists(), done.stderr
+    for rel in ("a/b/c/.mcp.json", "a/b/c/.bash_aliases", NEW_HOOK):
+        assert f"file-write-create {user_dir}/{rel}" in done.stderr, done.stderr
