@@ -315,7 +315,7 @@ AS_USER_SCRIPT = (
     "2>/dev/null; echo deep=$?; "
     "python3 -c \"import os; os.open('a//b/./c/.bash_aliases', os.O_CREAT | os.O_WRONLY)\" "
     "2>/dev/null; echo spelled=$?; "
-    "python3 -c \"import ctypes, os; l = ctypes.CDLL(None); "
+    'python3 -c "import ctypes, os; l = ctypes.CDLL(None); '
     "os.close(os.open('s_warm', os.O_CREAT | os.O_EXCL | os.O_WRONLY)); r, w = os.pipe(); "
     "nr = {'x86_64': 56, 'aarch64': 220}[os.uname().machine]; "
     "pid = l.syscall(nr, 0x200 | 17, 0, 0, 0, 0); "
