@@ -115,9 +115,11 @@ async def test_a_killed_server_leaves_no_spare(tmp_path: pathlib.Path) -> None:
                 async with client.post("/v1/sandboxes", json={"spec": {
                         "sessionId": unique("spare"), "workspaceId": "w"}}) as response:
                     assert response.status == 201, await response.json()
+                # The session's QEMU and the spare's, both exec'd (bubblewrap has armed its
+                # parent-death signal by then; a kill before that is a known limit).
                 async with asyncio.timeout(SPARE_UP_S):
-                    while len({_name_of(pid) for pid in host_pids_with(marker)} - {None}) < 2:
-                        await asyncio.sleep(0.05)  # the session's QEMU and the spare
+                    while len({_qemu_name(pid) for pid in host_pids_with(marker)} - {None}) < 2:
+                        await asyncio.sleep(0.05)
             server.proc.kill()
             server.proc.wait()
             assert wait_until_gone(marker, 10) == []
@@ -125,12 +127,14 @@ async def test_a_killed_server_leaves_no_spare(tmp_path: pathlib.Path) -> None:
             kill_marked(marker)
 
 
-def _name_of(pid: int) -> str | None:
-    """The VM directory a process's argv names after `-name` (QEMU's, and its bubblewrap's)."""
+def _qemu_name(pid: int) -> str | None:
+    """The VM directory a QEMU process names after `-name` (None: not QEMU itself)."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             words = f.read().split(b"\0")
     except OSError:
+        return None
+    if not os.path.basename(words[0]).startswith(b"qemu-system"):
         return None
     for at, word in enumerate(words[:-1]):
         if word == b"-name":
