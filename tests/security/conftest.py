@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import pathlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 
 import pytest
 from escape_kit import Sandboxes, unique
+from other_user import OtherUser, remove
 
 from cc_server.backends.probe import ProbeResult
 from cc_server.policy import HostFacts, Platform, detect_platform
@@ -46,3 +47,11 @@ async def sb(tmp_path: pathlib.Path, probe_result: ProbeResult) -> AsyncIterator
         )
     finally:
         await manager.aclose()
+
+
+@pytest.fixture
+def user_dir(other_user: OtherUser) -> Iterator[pathlib.Path]:
+    """A fresh directory the unprivileged test user owns, removed afterwards."""
+    path = other_user.workdir()
+    yield path
+    remove(path)

@@ -13,7 +13,6 @@ import stat
 import subprocess
 import tarfile
 import time
-from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, daemon_attack_script, host_pids_with, unique, wait_until
@@ -183,13 +182,6 @@ async def test_a_plain_chmod_and_an_executable_still_work(sb: Sandboxes) -> None
 
 
 # --- an unprivileged user: the CLI and the server run as it ----------------------------------
-
-
-@pytest.fixture
-def user_dir(other_user: OtherUser) -> Iterator[pathlib.Path]:
-    path = other_user.workdir()
-    yield path
-    remove(path)
 
 
 def _cli_run(user: OtherUser, work: pathlib.Path, script: str) -> subprocess.CompletedProcess[str]:

@@ -20,11 +20,10 @@ import os
 import pathlib
 import shlex
 import socket
-from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
-from other_user import OtherUser, remove
+from other_user import OtherUser
 from write_kit import host_listener
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -161,13 +160,6 @@ async def test_a_killed_connector_refuses_connects_and_never_hangs(sb: Sandboxes
     # An answer within the timeout, and the one a dead connector gives: ECONNREFUSED, never a
     # connection made some other way.
     assert "refused 111" in out and "connected" not in out, out
-
-
-@pytest.fixture
-def user_dir(other_user: OtherUser) -> Iterator[pathlib.Path]:
-    path = other_user.workdir()
-    yield path
-    remove(path)
 
 
 def test_as_an_unprivileged_user_a_host_listener_stays_out(

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pathlib
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, run_attack
-from other_user import OtherUser, remove
+from other_user import OtherUser
 from write_kit import refusals, tree_state
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -325,13 +324,6 @@ AS_USER_SCRIPT = (
     "echo shared-cwd=$?; "
     "echo ok > a/b/c/s_fine && (cd a/b && echo ok > s_near); echo fine=$?"
 )
-
-
-@pytest.fixture
-def user_dir(other_user: OtherUser) -> Iterator[pathlib.Path]:
-    path = other_user.workdir()
-    yield path
-    remove(path)
 
 
 def test_as_an_unprivileged_user_the_fast_paths_refuse_the_same(

@@ -27,11 +27,10 @@ import shutil
 import socket
 import stat
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, output, run_attack
-from other_user import OtherUser, remove
+from other_user import OtherUser
 from write_kit import git_repo, host_listener, refusals, tree_state
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -844,13 +843,6 @@ async def test_through_the_server_the_review_s_attacks_are_refused(tmp_path: pat
 
 
 # --- as an unprivileged user (the CLI, no daemon) ----------------------------------------------
-
-
-@pytest.fixture
-def user_dir(other_user: OtherUser) -> Iterator[pathlib.Path]:
-    path = other_user.workdir()
-    yield path
-    remove(path)
 
 
 def test_as_an_unprivileged_user_the_review_s_attacks_are_refused(
