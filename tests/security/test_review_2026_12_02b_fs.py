@@ -1,0 +1,217 @@
+"""Attacks on a session sandbox's plan given again (backends/session_plan.py, host_reads.py) and on
+the supervisor's judgement of a path of plain names as its start directory's path joined with it
+(supervisor_rules.c lexically_clear). Between two commands of one session the host changes in a
+way a cheap check could miss; the next command must get what a fresh plan gives. Real bubblewrap;
+each case checks the host (or the sandbox's mount table, read on the host) afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import secrets
+from collections.abc import Iterator
+
+import pytest
+from escape_kit import Sandboxes, attempts, outcomes, output, unique
+from test_session_plan_reuse import _bind_home, _sandbox_mounts, _twice
+
+from cc_server.errors import CcServerError
+from cc_server.rundir import BASE_DIR_NAME, REGISTRY_NAME
+
+pytestmark = [pytest.mark.security, pytest.mark.integration]
+
+
+# --- the plan given again -------------------------------------------------------------------
+
+
+async def test_a_secret_made_below_an_ancestor_that_was_missing_is_masked_next(
+    sb: Sandboxes,
+) -> None:
+    """~/.config is missing when the plan is made (hold asks only about ~/.config for the dozen
+    secrets below it); the host then makes ~/.config/gh/hosts.yml in one go."""
+    assert not (sb.home / ".config").exists()
+    handle = sb.launch(bindMounts=_bind_home(sb))
+    await _twice(sb, handle, "true")
+    marker = unique("CC-SECRET-GH")
+    (sb.home / ".config" / "gh").mkdir(parents=True)
+    (sb.home / ".config" / "gh" / "hosts.yml").write_text(f"oauth_token: {marker}\n")
+    result = await sb.sh(handle, f"cat {sb.home}/.config/gh/hosts.yml; echo ran")
+    assert marker not in output(result) and b"ran" in result.stdout, output(result)
+    assert _sandbox_mounts(handle).get(str(sb.home / ".config" / "gh")) == "tmpfs"
+
+
+async def test_a_missing_ancestor_that_becomes_a_symlink_masks_where_it_leads(
+    sb: Sandboxes,
+) -> None:
+    """~/.config appears as a symlink to a directory that already holds gh/hosts.yml: the
+    missing ancestor exists now (as a link), so the plan is made again and masks the target."""
+    stash = sb.worktree / "stash"
+    (stash / "gh").mkdir(parents=True)
+    marker = unique("CC-SECRET-GH-LINK")
+    (stash / "gh" / "hosts.yml").write_text(f"oauth_token: {marker}\n")
+    handle = sb.launch(bindMounts=_bind_home(sb))
+    first = await _twice(sb, handle, f"cat {stash}/gh/hosts.yml")
+    assert marker.encode() in first.stdout, output(first)  # control: not a secret yet
+    (sb.home / ".config").symlink_to(stash)
+    result = await sb.sh(handle, attempts(
+        by_target=f"grep -q {marker} {stash}/gh/hosts.yml",
+        by_name=f"grep -q {marker} {sb.home}/.config/gh/hosts.yml",
+    ))  # fmt: skip
+    assert outcomes(result) == {"by_target": "fail", "by_name": "fail"}, output(result)
+
+
+async def test_a_dangling_secret_link_that_gets_its_target_masks_it_next(sb: Sandboxes) -> None:
+    """~/.netrc is a dangling symlink when planned (nothing to mask); its target is then made
+    with the same lstat answers for the link itself."""
+    target = sb.worktree / "netrc-target"
+    (sb.home / ".netrc").symlink_to(target)
+    handle = sb.launch(bindMounts=_bind_home(sb))
+    await _twice(sb, handle, "true")
+    marker = unique("CC-SECRET-NETRC-LATE")
+    target.write_text(f"machine example.com password {marker}\n")
+    result = await sb.sh(handle, f"cat {target}; cat {sb.home}/.netrc; echo ran")
+    assert marker not in output(result) and b"ran" in result.stdout, output(result)
+
+
+async def test_a_protected_path_that_appears_as_a_symlink_protects_its_target(
+    sb: Sandboxes,
+) -> None:
+    real = sb.worktree / "real-ledger"
+    real.mkdir()
+    (real / "entry").write_text("original\n")
+    ledger = sb.worktree / "ledger"
+    handle = sb.launch(protectedPaths=[str(ledger)])
+    first = await _twice(sb, handle, f"echo first > {real}/entry")
+    assert first.exit_code == 0, output(first)  # control: writable while not protected
+    (real / "entry").write_text("original\n")
+    ledger.symlink_to(real)
+    result = await sb.sh(handle, attempts(
+        by_target=f"echo changed > {real}/entry",
+        by_name=f"echo changed > {ledger}/entry",
+        new=f"echo new > {real}/new",
+    ))  # fmt: skip
+    assert outcomes(result) == {"by_target": "fail", "by_name": "fail", "new": "fail"}, output(
+        result
+    )
+    assert (real / "entry").read_text() == "original\n" and not (real / "new").exists()
+
+
+async def test_a_protected_path_swapped_for_another_inode_in_one_tick_stays_protected(
+    sb: Sandboxes,
+) -> None:
+    """The protected directory is renamed away and another put in its place with the same mode
+    and owner and the parent's mtime put back: only its inode says it changed."""
+    ledger = sb.worktree / "ledger"
+    ledger.mkdir()
+    (ledger / "entry").write_text("original\n")
+    handle = sb.launch(protectedPaths=[str(ledger)])
+    await _twice(sb, handle, "true")
+    parent = os.stat(sb.worktree)
+    fresh = sb.worktree / "fresh"
+    fresh.mkdir()
+    (fresh / "entry").write_text("original\n")
+    os.rename(ledger, sb.worktree / "old-ledger")
+    os.rename(fresh, ledger)
+    os.utime(sb.worktree, ns=(parent.st_atime_ns, parent.st_mtime_ns))
+    result = await sb.sh(
+        handle, attempts(write=f"echo changed > {ledger}/entry", new=f"echo new > {ledger}/new")
+    )
+    assert outcomes(result) == {"write": "fail", "new": "fail"}, output(result)
+    assert (ledger / "entry").read_text() == "original\n" and not (ledger / "new").exists()
+
+
+@contextlib.contextmanager
+def _registry_entry(content: str) -> Iterator[pathlib.Path]:
+    """An entry in this user's base directory registry naming `content`, removed afterwards."""
+    canonical = pathlib.Path(f"/tmp/{BASE_DIR_NAME}-{os.geteuid()}")
+    registry = canonical / REGISTRY_NAME
+    for d in (canonical, registry):
+        with contextlib.suppress(FileExistsError):
+            d.mkdir(mode=0o700)
+    entry = registry / f"rfs{secrets.token_hex(6)}"
+    entry.write_text(content)
+    try:
+        yield entry
+    finally:
+        entry.unlink(missing_ok=True)
+
+
+async def test_a_registry_entry_rewritten_in_place_with_its_size_and_mtime_hides_the_new_base(
+    sb: Sandboxes,
+) -> None:
+    """A base directory named in the registry is hidden; the entry is then rewritten in place to
+    name another base of the same length, its size, inode and mtime kept: the next command must
+    not see into the new one."""
+    canaries = {}
+    for side in ("a", "b"):
+        base = sb.worktree / side / f"{BASE_DIR_NAME}-{os.geteuid()}"
+        base.mkdir(parents=True, mode=0o700)
+        canaries[side] = unique(f"CC-BASE-{side}")
+        (base / "token").write_text(canaries[side])
+    a, b = (str(sb.worktree / s / f"{BASE_DIR_NAME}-{os.geteuid()}") for s in ("a", "b"))
+    assert len(a) == len(b)
+    with _registry_entry(a) as entry:
+        handle = sb.launch()
+        first = await _twice(sb, handle, f"cat {a}/token; cat {b}/token")
+        assert canaries["a"] not in output(first), output(first)
+        assert canaries["b"] in output(first), output(first)  # control: b is no base yet
+        before = os.stat(entry)
+        fd = os.open(entry, os.O_WRONLY)
+        try:
+            os.pwrite(fd, b.encode(), 0)
+        finally:
+            os.close(fd)
+        os.utime(entry, ns=(before.st_atime_ns, before.st_mtime_ns))
+        after = os.stat(entry)
+        assert (after.st_ino, after.st_size, after.st_mtime_ns) == (
+            before.st_ino,
+            before.st_size,
+            before.st_mtime_ns,
+        )
+        second = await sb.sh(handle, f"cat {b}/token; echo ran")
+        assert canaries["b"] not in output(second), output(second)
+        assert b"ran" in second.stdout, output(second)
+
+
+async def test_a_registry_entry_added_in_the_same_tick_hides_its_base(sb: Sandboxes) -> None:
+    """A new registry entry, the registry directory's mtime put back: its listing differs."""
+    base = sb.worktree / "late" / f"{BASE_DIR_NAME}-{os.geteuid()}"
+    base.mkdir(parents=True, mode=0o700)
+    canary = unique("CC-BASE-LATE")
+    (base / "token").write_text(canary)
+    with _registry_entry("/nonexistent/placeholder") as placeholder:
+        registry = placeholder.parent
+        handle = sb.launch()
+        first = await _twice(sb, handle, f"cat {base}/token")
+        assert canary in output(first), output(first)  # control
+        was = os.stat(registry)
+        with _registry_entry(str(base)):
+            os.utime(registry, ns=(was.st_atime_ns, was.st_mtime_ns))
+            second = await sb.sh(handle, f"cat {base}/token; echo ran")
+        assert canary not in output(second) and b"ran" in second.stdout, output(second)
+
+
+async def test_a_bind_source_replaced_by_a_symlink_from_a_second_sandbox_exposes_nothing(
+    sb: Sandboxes,
+) -> None:
+    """Session A binds p/side; session B binds p and, between two of A's commands, moves side
+    away and puts a symlink to $HOME in its place. A's next command must not see $HOME's
+    secrets through its bind (refused, or the old directory: anything but the host's $HOME)."""
+    p = sb.root / "p"
+    side = p / "side"
+    side.mkdir(parents=True)
+    (side / "mine").write_text("side file\n")
+    a = sb.launch(bindMounts=[{"hostPath": str(side)}], guestWorkdir=str(side))
+    b = sb.launch(bindMounts=[{"hostPath": str(p)}], guestWorkdir=str(p))
+    first = await _twice(sb, a, f"cat {side}/mine")
+    assert first.stdout == b"side file\n", output(first)
+    swap = await sb.sh(b, f"mv {side} {p}/side.old && ln -s {sb.home} {side} && echo swapped")
+    assert swap.stdout == b"swapped\n", output(swap)
+    assert side.is_symlink()
+    try:
+        second = await sb.sh(a, f"cat {side}/.ssh/id_ed25519 {side}/.aws/credentials; ls -a {side}")
+    except CcServerError:
+        return  # refused before it ran: nothing exposed
+    assert sb.secret_marker not in output(second), output(second)
