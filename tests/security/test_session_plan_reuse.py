@@ -145,3 +145,22 @@ async def test_a_mount_of_the_servers_base_directory_under_a_bound_path_is_hidde
         assert _sandbox_mounts(handle).get(str(peek)) == "tmpfs"
     finally:
         subprocess.run([UMOUNT, "-l", str(peek)], check=True)
+
+
+async def test_a_base_directory_registered_inside_a_bound_path_is_hidden(
+    sb: Sandboxes,
+) -> None:
+    # A plan is given again while the views no bind shows change (backends/bubblewrap.py
+    # planned_egress); one inside a bind is a change to the plan.
+    runtime = sb.worktree / "runtime"
+    runtime.mkdir()
+    handle = sb.launch()
+    first = await _twice(sb, handle, f"ls -A {runtime}; echo listed")
+    assert first.stdout == b"listed\n", output(first)  # control: nothing there yet
+    base = pathlib.Path(egress_base_dir({"XDG_RUNTIME_DIR": str(runtime)}))  # registered
+    marker = unique("CC-BASE-TOKEN")
+    (base / "token").write_text(f"{marker}\n")
+    second = await sb.sh(handle, attempts(read=f"grep -q {marker} {base}/token"))
+    assert outcomes(second) == {"read": "fail"}, output(second)
+    assert _sandbox_mounts(handle).get(str(base)) == "tmpfs"
+    assert marker in (base / "token").read_text()

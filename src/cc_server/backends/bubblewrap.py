@@ -6,6 +6,7 @@ argv is built in the launch order `docs/launch.md` lists, one numbered step per 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import posixpath
 from collections.abc import Callable, Sequence
@@ -37,6 +38,7 @@ __all__ = [
     "BubblewrapPlanner",
     "CreateRuleTools",
     "plan_bubblewrap",
+    "planned_egress",
     "session_command",
 ]
 
@@ -294,6 +296,15 @@ def _hide_base_dirs(policy: CompiledPolicy, egress: EgressBridge) -> list[_Word]
     spec asks for inside a view (a run's credential directory) is bound again on top."""
     views = {*egress.hidden_dirs, *((egress.base_dir,) if egress.base_dir else ())}
     return list(_hiding_args(tuple(sorted(views)), policy.mounts))
+
+
+def planned_egress(policy: CompiledPolicy, egress: EgressBridge | None) -> object:
+    """What a plan under `policy` takes of `egress`: two bridges with equal answers give equal
+    plans, all else equal. Its hidden directories count only as the words that hide those a
+    bind or a system path would show (`_hide_base_dirs`), the rest of it as it is."""
+    if egress is None:
+        return None
+    return dataclasses.replace(egress, hidden_dirs=()), tuple(_hide_base_dirs(policy, egress))
 
 
 @functools.lru_cache(maxsize=64)

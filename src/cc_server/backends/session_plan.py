@@ -16,7 +16,7 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-from cc_server.backends.bubblewrap import BubblewrapPlanner, session_command
+from cc_server.backends.bubblewrap import BubblewrapPlanner, planned_egress, session_command
 from cc_server.backends.host_reads import HostReads
 from cc_server.backends.plan import Command, LaunchPlan
 from cc_server.policy import CompiledPolicy
@@ -34,6 +34,7 @@ class SessionPlanReading:
     command: Command
     plan: LaunchPlan
     reads: HostReads
+    egress: object  # what the plan took of the command's egress bridge (planned_egress)
 
 
 def plan_reusing(
@@ -44,7 +45,8 @@ def plan_reusing(
 ) -> tuple[LaunchPlan, SessionPlanReading | None]:
     """`planner.plan(policy, command)`, and the `last` to pass next time.
 
-    While `last` was made by this planner for the same policy and a command of equal egress, and
+    While `last` was made by this planner for the same policy and a command whose egress bridge
+    it plans the same (`planned_egress`: base directory views no bind shows do not count), and
     every host read its planning made gets the same answer now, its plan is given again with
     `command` in `session` (its cwd, when it names none, the policy's default read now, as
     planning would). Otherwise `command` is planned, reading the host through a HostReads. A
@@ -59,7 +61,7 @@ def plan_reusing(
         and last.policy is policy
         and command.argv
         and command.in_session_sandbox
-        and command.egress == last.command.egress
+        and planned_egress(policy, command.egress) == last.egress
         and last.reads.hold()
     ):
         assert last.plan.session is not None
@@ -81,5 +83,6 @@ def plan_reusing(
     if plan.session is None:
         return plan, None
     return plan, SessionPlanReading(
-        planner=planner, policy=policy, command=command, plan=plan, reads=reads
+        planner=planner, policy=policy, command=command, plan=plan, reads=reads,
+        egress=planned_egress(policy, command.egress),
     )

@@ -17,7 +17,7 @@ from cc_server.backends.host_reads import HostReads
 from cc_server.backends.plan import Command, EgressBridge
 from cc_server.backends.probe import BubblewrapTools
 from cc_server.backends.session_plan import plan_reusing
-from cc_server.policy import HostFacts, Platform, compile_policy, parse_spec
+from cc_server.policy import CompiledPolicy, HostFacts, Platform, compile_policy, parse_spec
 
 
 @pytest.fixture
@@ -91,9 +91,10 @@ def _planner(home: pathlib.Path) -> BubblewrapPlanner:
     return BubblewrapPlanner(host=host, tools=tools)
 
 
-def test_a_plan_given_again_is_the_plan_planning_makes(
+def _binding_d(
     tree: pathlib.Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+) -> tuple[BubblewrapPlanner, CompiledPolicy]:
+    """A planner with a fake seccomp filter, and a policy binding `tree/d`."""
     monkeypatch.setattr(bwrap_mod, "filter_bpf", lambda: FAKE_BPF)
     monkeypatch.setattr(bwrap_mod, "notify_filter_bpf", lambda **_: FAKE_BPF)
     home = tree / "home"
@@ -102,6 +103,13 @@ def test_a_plan_given_again_is_the_plan_planning_makes(
     spec = parse_spec({"sessionId": "s", "workspaceId": "w",
                        "bindMounts": [{"hostPath": str(tree / "d")}]})
     policy = compile_policy(spec, planner.host)
+    return planner, policy
+
+
+def test_a_plan_given_again_is_the_plan_planning_makes(
+    tree: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planner, policy = _binding_d(tree, monkeypatch)
     bridge = EgressBridge(socket_dir=str(tree / "sock"))
     commands = [
         Command(argv=("true",), egress=bridge, in_session_sandbox=True),
@@ -120,3 +128,23 @@ def test_a_plan_given_again_is_the_plan_planning_makes(
     changed, kept = plan_reusing(planner, policy, commands[0], last)
     assert kept is not last and changed == planner.plan(policy, commands[0])
     assert changed.argv != plan.argv
+
+
+def test_a_plan_is_given_again_while_only_views_no_bind_shows_change(
+    tree: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    planner, policy = _binding_d(tree, monkeypatch)
+    bridge = EgressBridge(socket_dir=str(tree / "sock"), hidden_dirs=(str(tree / "b1"),))
+
+    def command(*hidden: pathlib.Path) -> Command:
+        egress = dataclasses.replace(bridge, hidden_dirs=tuple(str(h) for h in hidden))
+        return Command(argv=("true",), egress=egress, in_session_sandbox=True)
+
+    _, last = plan_reusing(planner, policy, command(tree / "b1"), None)
+    outside = command(tree / "b1", tree / "b2")  # a new base no bind shows
+    again, kept = plan_reusing(planner, policy, outside, last)
+    assert kept is last and again == planner.plan(policy, outside)
+    inside = command(tree / "b1", tree / "d" / "e")  # one the bind of d shows
+    changed, kept = plan_reusing(planner, policy, inside, last)
+    assert kept is not last and changed == planner.plan(policy, inside)
+    assert "--tmpfs" in changed.argv and str(tree / "d" / "e") in changed.argv
