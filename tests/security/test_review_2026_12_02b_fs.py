@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
-from escape_kit import Sandboxes, attempts, outcomes, output, unique
+from escape_kit import Sandboxes, attempts, outcomes, output, run_attack, unique
 from test_session_plan_reuse import _bind_home, _sandbox_mounts, _twice
 
 from cc_server.errors import CcServerError
@@ -215,3 +215,121 @@ async def test_a_bind_source_replaced_by_a_symlink_from_a_second_sandbox_exposes
     except CcServerError:
         return  # refused before it ran: nothing exposed
     assert sb.secret_marker not in output(second), output(second)
+
+
+# --- a path of plain names judged as the start's path joined with it ------------------------
+
+
+# A thread moves the start directory's ancestors back and forth (allowed: no protected name on
+# either side) and tries to move it into a .claude directory the host made, while the main
+# thread creates protected names below the cwd by plain paths: every create is refused, and
+# nothing protected lands anywhere.
+RACE_BODY = """
+import threading
+os.makedirs('r1/mid/cwd/sub')
+os.chdir('r1/mid/cwd')
+stop = False
+moves = 0
+def mover():
+    global moves
+    names = ['r1', 'r2']
+    i = 0
+    while not stop:
+        try:
+            os.rename(f'{WT}/{names[i % 2]}', f'{WT}/{names[(i + 1) % 2]}')
+            i += 1
+            moves = i
+        except OSError:
+            pass
+        try:
+            os.rename(f'{WT}/{names[i % 2]}/mid', f'{WT}/host/.claude/mid')
+        except OSError:
+            pass
+t = threading.Thread(target=mover)
+t.start()
+made = 0
+for n in range(300):
+    for rel in ('.mcp.json', 'sub/.mcp.json', 'sub/.bash_aliases', 'sub/.claude.json'):
+        try:
+            os.close(os.open(rel, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+            made += 1
+        except OSError:
+            pass
+stop = True
+t.join()
+print('MADE', made, 'MOVED', moves > 0)
+"""
+
+
+async def test_renames_of_the_cwds_ancestors_by_another_thread_make_no_protected_file(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    wt = sb.worktree
+    (wt / "host" / ".claude").mkdir(parents=True)
+    _, out = await run_attack(sb, tmp_path, f"WT = {str(wt)!r}\n" + RACE_BODY)
+    assert "RESULT=done" in out and "MADE 0 MOVED True" in out, out
+    protected = {".mcp.json", ".bash_aliases", ".claude.json"}
+    found = [os.path.join(d, f) for d, _, files in os.walk(wt) for f in files if f in protected]
+    assert found == [] and sorted(os.listdir(wt / "host" / ".claude")) == [], (found, out)
+
+
+# Start directories whose names are odd in a /proc/self/fd link (a newline, a " (deleted)"
+# suffix, bytes that are not UTF-8, a space) or whose path is longer than PATH_MAX: a protected
+# name made from them by a plain path is refused, as from any other directory.
+ODD_BODY = """
+made = []
+for d in ODD:
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    for rel in (b'.mcp.json', b'sub/.mcp.json'):
+        try:
+            os.close(os.open(rel, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644, dir_fd=fd))
+            made.append(d + b'/' + rel)
+        except OSError:
+            pass
+os.chdir('deep')
+for _ in range(DEPTH):
+    os.chdir('d' * 200)
+for rel in ('.mcp.json', 'sub/.mcp.json', 'sub/.claude.json'):
+    try:
+        os.close(os.open(rel, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        made.append(rel.encode())
+    except OSError:
+        pass
+print('MADE', made)
+"""
+ODD: tuple[bytes, ...] = (b"new\nline", b"x (deleted)", b"\xff\xfe", b"sp ace")
+DEPTH = 22  # 22 names of 200 bytes: the start's path is longer than PATH_MAX
+
+
+async def test_odd_and_overlong_start_paths_make_no_protected_file(
+    sb: Sandboxes, tmp_path: pathlib.Path
+) -> None:
+    wt = sb.worktree
+    for d in ODD:
+        os.makedirs(os.path.join(os.fsencode(wt), d, b"sub"))
+    fd = os.open(wt, os.O_RDONLY | os.O_DIRECTORY)
+    for name in ("deep", *["d" * 200] * DEPTH):
+        os.mkdir(name, dir_fd=fd)
+        fd, old = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(old)
+    os.mkdir("sub", dir_fd=fd)
+    os.close(fd)
+    body = f"ODD = {ODD!r}\nDEPTH = {DEPTH}\n" + ODD_BODY
+    _, out = await run_attack(sb, tmp_path, body)
+    assert "RESULT=done" in out and "MADE []" in out, out
+    found = [
+        os.path.join(d, f)
+        for d, _, files in os.walk(os.fsencode(wt))
+        for f in files
+        if f in {b".mcp.json", b".claude.json"}
+    ]
+    fd = os.open(wt, os.O_RDONLY | os.O_DIRECTORY)
+    for name in ("deep", *["d" * 200] * DEPTH):  # below PATH_MAX, where os.walk cannot go
+        fd, old = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+        os.close(old)
+    deep = {
+        *os.listdir(fd),
+        *(f"sub/{n}" for n in os.listdir(os.open("sub", os.O_RDONLY, dir_fd=fd))),
+    }
+    os.close(fd)
+    assert found == [] and deep == {"sub"}, (found, deep, out)
