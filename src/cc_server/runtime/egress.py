@@ -418,8 +418,11 @@ class SessionEgress:
                tempfile.gettempdir())  # what base_dir_views takes from the process
         if self._views is not None and self._views[0] == key and self._views[1].hold():
             return self._views[2]
-        reads = HostReads()
-        views = base_dir_views(self._base_dir, reader=reads)
+        for _ in range(2):  # a lookup that removed a gone base's entry read the registry before
+            reads = HostReads()
+            views = base_dir_views(self._base_dir, reader=reads)
+            if reads.hold():
+                break
         self._views = (key, reads, views)
         return views
 
