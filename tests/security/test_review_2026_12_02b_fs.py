@@ -11,11 +11,12 @@ import contextlib
 import os
 import pathlib
 import secrets
+import subprocess
 from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, attempts, outcomes, output, run_attack, unique
-from test_session_plan_reuse import _bind_home, _sandbox_mounts, _twice
+from test_session_plan_reuse import MOUNT, UMOUNT, _bind_home, _sandbox_mounts, _twice
 
 from cc_server.errors import CcServerError
 from cc_server.rundir import BASE_DIR_NAME, REGISTRY_NAME
@@ -333,3 +334,26 @@ async def test_odd_and_overlong_start_paths_make_no_protected_file(
     }
     os.close(fd)
     assert found == [] and deep == {"sub"}, (found, deep, out)
+
+
+async def test_a_mount_the_host_makes_over_a_masked_secret_is_not_seen_next(
+    sb: Sandboxes,
+) -> None:
+    """The host bind-mounts a directory holding credentials over the masked ~/.aws between two
+    commands (the new mount propagates into the running sandbox's view of the bound $HOME); the
+    next command must not read them."""
+    assert os.geteuid() == 0, "this test mounts on the host: run the security suite as root"
+    stash = sb.root / "stash"
+    stash.mkdir()
+    marker = unique("CC-SECRET-AWS-MOUNT")
+    (stash / "credentials").write_text(f"aws_secret_access_key = {marker}\n")
+    handle = sb.launch(bindMounts=_bind_home(sb))
+    first = await _twice(sb, handle, f"cat {sb.home}/.aws/credentials; echo ran")
+    assert sb.secret_marker not in output(first) and b"ran" in first.stdout, output(first)
+    aws = sb.home / ".aws"
+    subprocess.run([MOUNT, "--bind", str(stash), str(aws)], check=True)
+    try:
+        second = await sb.sh(handle, f"cat {aws}/credentials; ls -a {aws}; echo ran")
+        assert marker not in output(second) and b"ran" in second.stdout, output(second)
+    finally:
+        subprocess.run([UMOUNT, "-l", str(aws)], check=True)
