@@ -3,8 +3,11 @@
 One HTTP proxy and one SOCKS5 proxy per session, never shared: TCP listeners on 127.0.0.1 with
 ephemeral ports, and optionally the same proxies on two Unix sockets in a private directory (the
 sandbox's bridge). Each client connection runs one handshake machine (`http_machine`,
-`socks_machine`) through the loop in `proto`'s docstring, then hands both sockets to
-`relay.relay` (splice on the event loop; see that module for why).
+`socks_machine`) through the loop in `proto`'s docstring; a tunnel then hands both sockets to
+`relay.relay` (splice on the event loop; see that module for why), while forwarded plain-HTTP
+requests go on through the machine, one after another on a kept-alive connection, each
+checked on its own; the upstream is kept only when the machine offers it
+(`OpenUpstream.reuse`) and it has sent nothing since its last response.
 
 On `CheckEgress` the decision is `guard`'s (pure: the allowlist, then the address guard beyond
 it); the driver only does its awaits: it resolves a listed name once when the guard asks
@@ -15,10 +18,12 @@ does not resolve is an upstream failure (502, SOCKS 0x04), not a violation.
 Every refusal is written in-protocol (HTTP 403, SOCKS 0x02) and reported once through
 `ProxyParams.on_refused`.
 
-Bounds (`ProxyLimits`): the whole handshake, from accept to `StartRelay`, has one deadline
-(reads, writes, resolution and dialling; each connection attempt is further bounded by the connect
-timeout, and an attempt cut short by the deadline is answered as unreachable); a relay with no
-byte either way for the idle timeout is closed; a session holds at most ``max_connections``
+Bounds (`ProxyLimits`): the whole handshake, from accept to `StartRelay` or the first forwarded
+request's upstream, has one deadline (reads, writes, resolution and dialling; each connection
+attempt is further bounded by the connect timeout, and an attempt cut short by the deadline is
+answered as unreachable); a later request's check and dial on a kept-alive connection get a
+deadline of their own; a relay, or a forwarding connection, with no byte moved for the idle
+timeout is closed; a session holds at most ``max_connections``
 client connections, and a client over the limit is closed at once.
 
 Concurrency: a session's listeners and client handlers are tasks in one `asyncio.TaskGroup`;

@@ -726,6 +726,29 @@ async def test_idle_timeout_closes_an_idle_relay() -> None:
         await wait_for(lambda: s.proxies.active_connections == 0)
 
 
+async def test_idle_timeout_closes_an_idle_kept_alive_connection_and_its_upstream() -> None:
+    closed: list[bool] = []
+
+    async def origin(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+        closed.append(await reader.read() == b"")  # the proxy let go of the kept upstream
+
+    async with session(limits=ProxyLimits(idle_timeout_s=0.3)) as s, upstream(origin) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", s.proxies.http_port)
+        try:
+            target = f"allowed.test:{port}"
+            writer.write(f"GET http://{target}/ HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+            assert (await reader.readuntil(b"ok")).startswith(b"HTTP/1.1 200 OK\r\n")
+            async with asyncio.timeout(3):
+                assert await reader.read() == b""  # kept alive, then idle: closed
+        finally:
+            await close(writer)
+        await wait_for(lambda: s.proxies.active_connections == 0)
+        await wait_for(lambda: closed == [True])
+
+
 async def test_max_connections_closes_new_clients_at_once() -> None:
     async with session(limits=ProxyLimits(max_connections=2)) as s:
         held = [await asyncio.open_connection("127.0.0.1", s.proxies.http_port) for _ in range(2)]
