@@ -357,3 +357,26 @@ async def test_a_mount_the_host_makes_over_a_masked_secret_is_not_seen_next(
         assert marker not in output(second) and b"ran" in second.stdout, output(second)
     finally:
         subprocess.run([UMOUNT, "-l", str(aws)], check=True)
+
+
+async def test_a_deep_protected_file_cannot_be_reached_by_a_plain_name_linked_to_it(
+    sb: Sandboxes,
+) -> None:
+    """An existing .mcp.json deep in the worktree: a hard link to it under an innocent name
+    (which the plain-name judgement would clear) is refused in every form, and nothing
+    writes it."""
+    deep = sb.worktree / "a" / "b"
+    deep.mkdir(parents=True)
+    (deep / ".mcp.json").write_text("original\n")
+    handle = sb.launch()
+    result = await sb.sh(handle, f"cd {sb.worktree}; " + attempts(
+        ln="ln a/b/.mcp.json innocent",
+        cp="cp --link a/b/.mcp.json innocent2",
+        py="python3 -c \"import os; os.link('a/b/.mcp.json', 'a/innocent3')\"",
+        write="echo evil >> a/b/.mcp.json",
+    ))  # fmt: skip
+    assert outcomes(result) == {"ln": "fail", "cp": "fail", "py": "fail", "write": "fail"}, output(
+        result
+    )
+    assert (deep / ".mcp.json").read_text() == "original\n"
+    assert os.stat(deep / ".mcp.json").st_nlink == 1
