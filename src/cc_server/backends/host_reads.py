@@ -19,11 +19,22 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Final
 
 __all__ = ["HostReads"]
 
 _MISSING: Final = object()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Checks:
+    """What `HostReads.hold` asks again, sorted by how (`HostReads._sorted`)."""
+
+    present: tuple[str, ...]
+    missing: tuple[str, ...]
+    lstats: tuple[tuple[str, tuple[int, int, int, int, int]], ...]
+    others: tuple[tuple[str, str, int, object], ...]
 
 
 class HostReads:
@@ -38,6 +49,7 @@ class HostReads:
         self._seen: dict[tuple[str, str, int], object] = {}
         self._realpath: dict[str, str] = {}
         self._absent: frozenset[str] | None = None  # hold's missing ancestors, once found
+        self._checks: _Checks | None = None  # hold's questions, sorted with `_absent`
 
     def _ask(self, op: str, path: str, limit: int = -1) -> object:
         key = (op, path, limit)
@@ -151,40 +163,55 @@ class HostReads:
         `~/.config` is missing): a lookup that fails at an ancestor fails for every path below
         it, so the answer stays the recorded one while the ancestor is missing."""
         exists = _exists_now()
-        seen = self._seen
-        if exists is not None and self._absent is None:
-            absent = _absent_ancestors(
-                path for (op, path, _), was in seen.items()
-                if op == "lexists" and was is not True and ("lstat", path, -1) not in seen
-            )
+        if exists is None:
+            return all(_same(was, _read(op, path, limit))
+                       for (op, path, limit), was in self._seen.items())
+        checks = self._checks
+        if self._absent is None or checks is None:
+            checks = self._sorted()
+            absent = _absent_ancestors(checks.missing)
             if absent is None:
                 return False
-            self._absent = absent
-        lstat, f_ok = os.lstat, os.F_OK
-        for (op, path, limit), was in seen.items():
-            if op == "lexists" and exists is not None:
-                # A missing one: through `_absent`. One asked again as an lstat: that says more.
-                if was is not True or ("lstat", path, -1) in seen:
-                    continue
-                if not exists(path, f_ok, follow_symlinks=False):
-                    return False
-            elif op == "lstat" and isinstance(was, os.stat_result):
-                try:
-                    now = lstat(path)
-                except OSError:
-                    return False
-                if (now.st_ino, now.st_dev, now.st_mode, now.st_uid, now.st_gid) != (
-                    was.st_ino, was.st_dev, was.st_mode, was.st_uid, was.st_gid
-                ):
-                    return False
-            elif not _same(was, _read(op, path, limit)):
+            self._absent, self._checks = absent, checks
+        f_ok = os.F_OK
+        for path in checks.present:
+            if not exists(path, f_ok, follow_symlinks=False):
                 return False
-        if exists is not None:
-            assert self._absent is not None
-            for path in self._absent:
-                if exists(path, f_ok, follow_symlinks=False):
-                    return False
-        return True
+        lstat = os.lstat
+        for path, key in checks.lstats:
+            try:
+                now = lstat(path)
+            except OSError:
+                return False
+            if (now.st_ino, now.st_dev, now.st_mode, now.st_uid, now.st_gid) != key:
+                return False
+        for op, path, limit, was in checks.others:
+            if not _same(was, _read(op, path, limit)):
+                return False
+        return not any(exists(path, f_ok, follow_symlinks=False) for path in self._absent)
+
+    def _sorted(self) -> _Checks:
+        """The recorded questions by how `hold` asks them again: a path that existed (`lexists`)
+        by `access`, one that was missing through its shallowest missing ancestor, a `lstat` that
+        answered by its key, the rest as they were asked. A `lexists` also asked as an `lstat`
+        is asked as that, which says more."""
+        seen = self._seen
+        present: list[str] = []
+        missing: list[str] = []
+        lstats: list[tuple[str, tuple[int, int, int, int, int]]] = []
+        others: list[tuple[str, str, int, object]] = []
+        for (op, path, limit), was in seen.items():
+            if op == "lexists":
+                if ("lstat", path, -1) in seen:
+                    continue
+                (present if was is True else missing).append(path)
+            elif op == "lstat" and isinstance(was, os.stat_result):
+                lstats.append((path, (was.st_ino, was.st_dev, was.st_mode, was.st_uid,
+                                      was.st_gid)))
+            else:
+                others.append((op, path, limit, was))
+        return _Checks(present=tuple(present), missing=tuple(missing), lstats=tuple(lstats),
+                       others=tuple(others))
 
     @property
     def questions(self) -> int:

@@ -12,6 +12,7 @@ import pytest
 from plan_kit import FAKE_BPF, TOOLS
 
 from cc_server.backends import bubblewrap as bwrap_mod
+from cc_server.backends import host_reads
 from cc_server.backends.bubblewrap import BubblewrapPlanner
 from cc_server.backends.host_reads import HostReads
 from cc_server.backends.plan import Command, EgressBridge
@@ -64,11 +65,17 @@ CHANGES = {
     "listing": lambda t: (t / "new").write_text(""),
     "content": lambda t: (t / "d" / "f").write_text("y"),
     "link target": lambda t: ((t / "up").unlink(), (t / "up").symlink_to("d")),
+    "link replaced": lambda t: ((t / "up2").symlink_to("d/e/.."), os.rename(t / "up2", t / "up")),
 }
 
 
+@pytest.mark.parametrize("access", [True, False], ids=["by access", "real ids not effective"])
 @pytest.mark.parametrize("change", sorted(CHANGES))
-def test_hold_sees_a_change_to_anything_it_was_asked(tree: pathlib.Path, change: str) -> None:
+def test_hold_sees_a_change_to_anything_it_was_asked(
+    tree: pathlib.Path, change: str, access: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not access:  # each question asked again as it was asked (access checks the real ids)
+        monkeypatch.setattr(host_reads, "_exists_now", lambda: None)
     reads = HostReads()
     for rel in PATHS:
         reads.realpath(f"{tree}/{rel}")
