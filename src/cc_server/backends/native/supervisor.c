@@ -227,6 +227,9 @@ static void dispatch(struct req *q) {
 static void handle(struct ccs *s, struct seccomp_notif *n) {
     atomic_fetch_add(&s->handled, 1);
     struct req q = {.s = s, .n = n, .proc_fd = -1, .pidfd = -1, .root_fd = -1};
+    /* What judge_path checks a path against, for this call only. */
+    struct req *judging_q __attribute__((cleanup(end_judging))) = &q;
+    begin_judging(judging_q);
     fs_retire(s, (pid_t)n->pid); /* its own earlier cwd or root change has run */
     judged[0] = '\0';
     q.sysname = syscall_name(n->data.nr);

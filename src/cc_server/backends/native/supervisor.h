@@ -325,6 +325,9 @@ bool has_path_rules(const struct ccs *s);
 bool path_under(const char *path, const char *root);
 void open_self_fds(void);
 bool fd_path(int fd, char *buf, size_t size);
+void begin_judging(struct req *q);
+void end_judging(struct req **q);
+bool view_path(int fd, char *buf, size_t size);
 bool glob_refused(struct ccs *s, int dir_fd, const char *name, const char **which);
 bool judge_path(int dir_fd, const char *name);
 bool worktree_dir_refused(struct ccs *s, int dir_fd, const char *name, const char **which);
@@ -341,6 +344,7 @@ bool lexically_clear(const struct ccs *s, int start, const char *rel, const char
 bool object_refused(struct req *q, int obj, const char **which);
 
 /* supervisor_emulate.c */
+bool kernel_object(int fd);
 void set_umask(mode_t m);
 void rescue_helpers(struct ccs *s, bool all);
 void do_open(struct req *q, int dirfd, uint64_t path_addr, int flags, mode_t mode);

@@ -31,7 +31,7 @@ static bool is_dev_tty(int fd) {
            minor(st.st_rdev) == 0;
 }
 
-static bool kernel_object(int fd) {
+bool kernel_object(int fd) {
     struct statfs sf;
     if (fstatfs(fd, &sf) != 0)
         return true;

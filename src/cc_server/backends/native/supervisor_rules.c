@@ -122,7 +122,7 @@ bool fd_path(int fd, char *buf, size_t size) {
  * globs apply. A directory whose path cannot be read is not exempt. */
 static bool dir_exempt(const struct ccs *s, int dir_fd) {
     char full[PATH_MAX];
-    if (s->nexempts == 0 || !fd_path(dir_fd, full, sizeof full))
+    if (s->nexempts == 0 || !view_path(dir_fd, full, sizeof full))
         return false;
     for (int i = 0; i < s->nexempts; i++)
         if (path_under(full, s->exempts[i]))
@@ -249,11 +249,88 @@ static bool full_path_refused(const struct ccs *s, const char *full, const char 
 #define PATH_UNKNOWN "(the directory's path could not be read)"
 
 
+/*
+ * The path of `fd` in the task's view, into `buf`: its link, checked against the task's own
+ * root. A directory moved out of the task's bind by someone outside it (a second sandbox whose
+ * bind holds this one's, the host) stays reachable through a cwd or a dirfd the task holds, but
+ * its link then names it from its filesystem's root, a path that is not the task's; judged by
+ * that string it would be below no writable root and nothing would be protected in it. So the
+ * link is resolved again from the task's root (no symlink, no magic link, never above it) and
+ * must name the very inode: else false, as for a path that cannot be read (the caller refuses).
+ * The answer for one fd is kept for the rest of the call (`judging`).
+ */
+__thread struct req *judging;
+static __thread struct { bool known; dev_t dev; ino_t ino; char path[PATH_MAX]; } viewed;
+
+void begin_judging(struct req *q) {
+    judging = q;
+    viewed.known = false;
+}
+
+void end_judging(struct req **q) {
+    (void)q;
+    judging = NULL;
+    viewed.known = false;
+}
+
+static bool view_path_check(int fd, char *buf, size_t size);
+
+bool view_path(int fd, char *buf, size_t size) {
+    if (view_path_check(fd, buf, size))
+        return true;
+    buf[0] = '\0'; /* never a path the task's view does not have */
+    return false;
+}
+
+static bool view_path_check(int fd, char *buf, size_t size) {
+    if (!fd_path(fd, buf, size))
+        return false;
+    struct req *q = judging;
+    if (q == NULL)
+        return false; /* not inside a call: nothing to check it against */
+    struct stat a, b;
+    if (fstat(fd, &a) != 0)
+        return false;
+    if (viewed.known && viewed.dev == a.st_dev && viewed.ino == a.st_ino &&
+        strcmp(viewed.path, buf) == 0)
+        return true;
+    if (open_root(q) != 0)
+        return false;
+    int again = -1;
+    if (buf[1] != '\0') {
+        struct open_how how = {
+            .flags = O_PATH | O_NOFOLLOW | O_CLOEXEC,
+            .resolve = RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS | RESOLVE_BENEATH,
+        };
+        again = (int)syscall(SYS_openat2, q->root_fd, buf + 1, &how, sizeof how);
+        if (again < 0)
+            return false;
+    }
+    bool same = fstat(again >= 0 ? again : q->root_fd, &b) == 0 && a.st_dev == b.st_dev &&
+                a.st_ino == b.st_ino;
+    if (again >= 0)
+        close(again);
+    /* A kernel filesystem's directory cannot be moved, and procfs and sysfs make a new inode
+     * for a name looked up again: its link is its path. (Nothing is created or opened there for
+     * a task: kernel_object.) */
+    struct statfs sf;
+    if (!same && fstatfs(fd, &sf) == 0 && kernel_object(fd))
+        return true;
+    if (same) {
+        viewed.known = true;
+        viewed.dev = a.st_dev;
+        viewed.ino = a.st_ino;
+        snprintf(viewed.path, sizeof viewed.path, "%s", buf);
+    }
+    return same;
+}
+
 /* `name` in the pinned directory `dir_fd` (or the object `dir_fd` itself, for an empty name) as
- * an absolute path in the task's view: the fd's link, never the string the task passed. Kept in
- * `judged`. False when the path cannot be read (gone, or not in the task's view). */
+ * an absolute path in the task's view: the fd's link, never the string the task passed, and
+ * only where that link names it in the task's view (view_path). Kept in `judged`. False when the
+ * path cannot be read (gone, or not in the task's view). */
 bool judge_path(int dir_fd, const char *name) {
-    if (!fd_path(dir_fd, judged, PATH_MAX))
+    if (!view_path(dir_fd, judged, PATH_MAX))
         return false;
     size_t n = strlen(judged);
     if (name[0]) {
@@ -586,7 +663,7 @@ bool lexically_clear(const struct ccs *s, int start, const char *rel, const char
     for (int i = 0; dir_names[i]; i++)
         if (strcasecmp(name, dir_names[i]) == 0)
             return false;
-    if (!plain_relative(rel) || !fd_path(start, judged, PATH_MAX))
+    if (!plain_relative(rel) || !view_path(start, judged, PATH_MAX))
         return false;
     size_t n = strlen(judged), k = strlen(rel);
     if (n + 1 + k >= sizeof judged)
