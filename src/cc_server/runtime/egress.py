@@ -51,6 +51,10 @@ ASK_TIMEOUT_S: Final = 30.0  # a held connection's wait for an answer; then it i
 # Connections held for an answer at once, per session; more are refused at once (a command that
 # opens hundreds of connections to unlisted hosts must not hold hundreds of sockets).
 MAX_PENDING_REQUESTS: Final = 16
+# Base directory views kept, each with the reads it was found from (`SessionEgress._hidden_dirs`),
+# one per base directory and environment: a process has one or a few.
+MAX_KEPT_VIEWS: Final = 16
+_FOUND_VIEWS: dict[tuple[object, ...], tuple[HostReads, tuple[str, ...]]] = {}
 
 
 class Answer(enum.StrEnum):
@@ -176,8 +180,6 @@ class SessionEgress:
         self._dir: str | None = None
         self._proxies: SessionProxies | None = None
         self._closed = False
-        # The base directory views last found, with what they were found from (`_hidden_dirs`).
-        self._views: tuple[tuple[object, ...], HostReads, tuple[str, ...]] | None = None
 
     @property
     def proxies(self) -> SessionProxies | None:
@@ -412,18 +414,25 @@ class SessionEgress:
 
     def _hidden_dirs(self) -> tuple[str, ...]:
         """Every view of every base directory of this user, by device and inode
-        (rundir.base_dir_views): the last ones found while every read they were found from
-        gets the same answer from the host (backends/host_reads.py), else found again."""
-        key = (os.geteuid(), os.environ.get("TMPDIR"), os.environ.get("XDG_RUNTIME_DIR"),
+        (rundir.base_dir_views): the last ones this process found from the same inputs while
+        every read they were found from gets the same answer from the host
+        (backends/host_reads.py), else found again. Kept per process, not per session: every
+        session of a server finds the same views, so a base coming or going is found once."""
+        key = (self._base_dir, os.geteuid(), os.environ.get("TMPDIR"),
+               os.environ.get("XDG_RUNTIME_DIR"),
                tempfile.gettempdir())  # what base_dir_views takes from the process
-        if self._views is not None and self._views[0] == key and self._views[1].hold():
-            return self._views[2]
+        found = _FOUND_VIEWS.get(key)
+        if found is not None and found[0].hold():
+            return found[1]
         for _ in range(2):  # a lookup that removed a gone base's entry read the registry before
             reads = HostReads()
             views = base_dir_views(self._base_dir, reader=reads)
             if reads.hold():
                 break
-        self._views = (key, reads, views)
+        _FOUND_VIEWS.pop(key, None)
+        if len(_FOUND_VIEWS) >= MAX_KEPT_VIEWS:
+            del _FOUND_VIEWS[next(iter(_FOUND_VIEWS))]
+        _FOUND_VIEWS[key] = (reads, views)
         return views
 
     async def adopt(self, http: socket.socket, socks: socket.socket) -> list[AdoptedListener]:

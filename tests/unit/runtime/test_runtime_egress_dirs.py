@@ -86,15 +86,20 @@ def test_names_of_dead_owners_are_only_matching_names_of_gone_processes(tmp_path
 def test_the_base_directory_views_are_found_again_when_a_base_appears(tmp_path: Path) -> None:
     # The views a session's plans hide are kept between commands only while every read they
     # were found from gets the same answer (rundir.base_dir_views through HostReads).
+    # They are kept per process: another session of the same base directory finds them once.
     own = egress_base_dir({}, tmp_dir=str(tmp_path))
-    egress = SessionEgress(session_id="s", allowlist=Allowlist(), suggest=lambda _: None,
-                           on_violation=lambda _: None, base_dir=own)
+    egress, another = (
+        SessionEgress(session_id=name, allowlist=Allowlist(), suggest=lambda _: None,
+                      on_violation=lambda _: None, base_dir=own)
+        for name in ("s", "t")
+    )
     first = egress._hidden_dirs()
     assert own in first and egress._hidden_dirs() is first  # kept: nothing changed
+    assert another._hidden_dirs() is first
     (tmp_path / "run").mkdir()
     other = egress_base_dir({"XDG_RUNTIME_DIR": str(tmp_path / "run")})  # registers itself
     try:
-        assert other in egress._hidden_dirs()
+        assert other in egress._hidden_dirs() and other in another._hidden_dirs()
     finally:
         os.rmdir(other)  # its registry entry is removed by the next lookup
-        assert other not in egress._hidden_dirs()
+        assert other not in egress._hidden_dirs() and other not in another._hidden_dirs()
