@@ -14,11 +14,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import os
+import pathlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import h11
 import pytest
+from microvm_kit import launch as vm_launch
+from microvm_kit import manager as vm_manager
+from microvm_kit import shared_runtime
+from microvm_kit import unique as vm_unique
+from server_kit import host_pids_with, wait_until_gone
 from test_egress import ALLOWED, DENIED, PY, RUN_TIMEOUT_S, Lab, assert_violations, lab, output
 from test_egress_smuggling import Client, ok
 
@@ -31,6 +38,10 @@ from cc_server.egress.driver import (
     open_session_proxies,
 )
 from cc_server.egress.patterns import Allowlist, parse_rules
+from cc_server.errors import CcServerError
+from cc_server.microvm.link import VM_DIR_PREFIX
+from cc_server.microvm.pool import VmPool
+from cc_server.policy import SandboxBackend, parse_spec
 from cc_server.runtime.handle import run_collect
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -504,3 +515,84 @@ async def test_in_a_sandbox_a_refused_host_on_a_kept_connection_is_one_violation
     # Only the allowed requests reached the upstream; each refusal is one violation.
     assert up.seen == [f"{ALLOWED}:{up.port}"] * 2
     assert_violations(handle, [(DENIED, up.port), (DENIED, up.port)])
+
+
+# --- the microVM pool's spare QEMU ---------------------------------------------------------------
+
+
+def vm_pool() -> VmPool:
+    pool = shared_runtime().pool
+    assert pool is not None
+    return pool
+
+
+def our_vm_processes() -> list[int]:
+    """Host processes of any VM directory of this test process (QEMU names its own)."""
+    return host_pids_with(f"/{VM_DIR_PREFIX}-{os.getpid()}-")
+
+
+def vm_bind(path: pathlib.Path) -> list[dict[str, object]]:
+    return [{"hostPath": str(path), "guestPath": "/work"}]
+
+
+async def test_a_spare_is_not_taken_once_its_share_path_is_a_symlink_elsewhere(
+    tmp_path: pathlib.Path,
+) -> None:
+    work, moved, other = tmp_path / "work", tmp_path / "moved", tmp_path / "other"
+    work.mkdir()
+    other.mkdir()
+    (work / "old-file").write_text("x")
+    (other / "other-file").write_text("x")
+    m = vm_manager(tmp_path)
+    try:
+        await vm_launch(m, bindMounts=vm_bind(work))
+        spare = vm_pool()._spare
+        assert spare is not None
+        async with asyncio.timeout(60):
+            await asyncio.shield(spare.up)
+        # The path the spare bound now leads elsewhere: what the host has there is `other`.
+        work.rename(moved)
+        work.symlink_to(other)
+        try:
+            handle = await vm_launch(m, bindMounts=vm_bind(work))
+        except CcServerError:
+            return  # a bind through a symlink is refused: nothing runs
+        # The bind is the symlink's target (the spec resolves it): another key than the spare's.
+        listed = (await run_collect(handle, ["ls", "/work"])).stdout
+        assert listed == b"other-file\n", listed
+        assert not handle.from_spare and handle.run_dir != spare.run_dir
+        assert wait_until_gone(str(spare.run_dir), 10) == []
+    finally:
+        await m.aclose()
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.01, 0.05, 0.2, "ready", "spare-starting"])
+async def test_closing_the_runtime_mid_start_leaves_no_qemu(
+    tmp_path: pathlib.Path, delay: float | str
+) -> None:
+    m = vm_manager(tmp_path)
+    try:
+        handle = m.launch(
+            parse_spec({"sessionId": vm_unique("mid"), "workspaceId": "ws"}),
+            backend=SandboxBackend.MICROVM,
+        )
+        if delay == "ready":
+            await handle.ready()
+        elif delay == "spare-starting":
+            await handle.ready()
+            spare = vm_pool()._spare
+            assert spare is not None
+            while spare.inner_pid is None and not spare.up.done():
+                await asyncio.sleep(0)
+        else:
+            assert isinstance(delay, float)
+            await asyncio.sleep(delay)
+    finally:
+        await m.aclose()
+    # Whatever was starting (the session's QEMU, the spare's) is gone with the runtime's close,
+    # and nothing starts after it.
+    assert wait_until_gone(f"/{VM_DIR_PREFIX}-{os.getpid()}-", 10) == []
+    for _ in range(20):
+        await asyncio.sleep(0.05)
+    assert vm_pool()._spare is None
+    assert our_vm_processes() == []
