@@ -326,7 +326,7 @@ class SessionSandbox:
                 if mode == asyncio.subprocess.PIPE:
                     read_end, write_end = os.pipe2(os.O_CLOEXEC)
                     keep, give = (write_end, read_end) if index == 0 else (read_end, write_end)
-                    _give_pipe(give, self.plan.identity)
+                    _give_pipe(give, self.plan.identity, known=True)
                     mine.append(give)
                     theirs.append(give)
                     if index == 0:
@@ -556,8 +556,9 @@ async def _send(sock: socket.socket, message: bytes, fds: list[int]) -> None:
             await wait_writable(sock)
 
 
-def _give_pipe(fd: int, identity: SandboxIdentity | None) -> None:
-    """Give a command's stream, when it is a pipe, to a root server's sandbox identity.
+def _give_pipe(fd: int, identity: SandboxIdentity | None, *, known: bool = False) -> None:
+    """Give a command's stream, when it is a pipe (`known`: one made here), to a root server's
+    sandbox identity.
 
     A pipe is its maker's, mode 0600: the command could not reopen it by name (`echo >
     /dev/stderr` opens /proc/self/fd/2, which checks the pipe's owner). Terminals and files keep
@@ -566,5 +567,5 @@ def _give_pipe(fd: int, identity: SandboxIdentity | None) -> None:
     if identity is None:
         return
     with contextlib.suppress(OSError):  # not a pipe, or gone: the command sees what it is
-        if os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:["):
+        if known or os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:["):
             os.fchown(fd, identity.uid, identity.gid)
