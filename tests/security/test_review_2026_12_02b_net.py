@@ -16,17 +16,32 @@ import contextlib
 import ipaddress
 import os
 import pathlib
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import h11
 import pytest
+from cli_kit import daemon_pids
 from microvm_kit import launch as vm_launch
 from microvm_kit import manager as vm_manager
 from microvm_kit import shared_runtime
 from microvm_kit import unique as vm_unique
+from other_user import OtherUser
 from server_kit import host_pids_with, wait_until_gone
-from test_egress import ALLOWED, DENIED, PY, RUN_TIMEOUT_S, Lab, assert_violations, lab, output
+from test_egress import (
+    ALLOWED,
+    DENIED,
+    PY,
+    RUN_TIMEOUT_S,
+    Lab,
+    assert_violations,
+    lab,
+    open_upstream,
+    output,
+)
 from test_egress_smuggling import Client, ok
 
 from cc_server.egress.addresses import IPAddress
@@ -474,7 +489,8 @@ async def test_kept_connections_are_bounded_and_each_holds_one_upstream() -> Non
 PIPELINED = r"""
 import socket, sys
 host_a, host_d, port, marker = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].encode()
-def get(host, path):
+port_d = int(sys.argv[5]) if len(sys.argv) > 5 else port
+def get(host, path, port=port):
     return f"GET http://{host}:{port}{path} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode()
 def rest(s):
     data = b""
@@ -482,7 +498,7 @@ def rest(s):
         data += chunk
     return data
 s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
-s.sendall(get(host_a, "/one") + get(host_d, "/two") + get(host_a, "/three"))
+s.sendall(get(host_a, "/one") + get(host_d, "/two", port_d) + get(host_a, "/three"))
 sys.stdout.write(rest(s).decode("latin-1") + "\n--\n")
 s = socket.create_connection(("127.0.0.1", 3128), timeout=10)
 s.sendall(get(host_a, "/four"))
@@ -492,7 +508,7 @@ while marker not in head:
     if not chunk:
         break
     head += chunk
-s.sendall(f"CONNECT {host_d}:{port} HTTP/1.1\r\nHost: {host_d}:{port}\r\n\r\n".encode())
+s.sendall(f"CONNECT {host_d}:{port_d} HTTP/1.1\r\nHost: {host_d}:{port_d}\r\n\r\n".encode())
 sys.stdout.write((head + rest(s)).decode("latin-1"))
 """
 
@@ -596,3 +612,52 @@ async def test_closing_the_runtime_mid_start_leaves_no_qemu(
         await asyncio.sleep(0.05)
     assert vm_pool()._spare is None
     assert our_vm_processes() == []
+
+
+# --- the same through the CLI (in-process and its daemon), as root and as an unprivileged user --
+
+
+@pytest.mark.parametrize("module", ["cc_server.cli", "cc_server.cli_client"])
+@pytest.mark.parametrize("who", ["server-user", "unprivileged"])
+def test_through_the_cli_a_refused_port_on_a_kept_connection_is_one_violation(
+    module: str, who: str, other_user: OtherUser, user_dir: pathlib.Path
+) -> None:
+    runtime = user_dir / "run"
+    runtime.mkdir(mode=0o700)
+    os.chown(runtime, other_user.uid, other_user.gid)
+    cwd = user_dir / "cwd"
+    cwd.mkdir()
+    os.chown(cwd, other_user.uid, other_user.gid)
+    with open_upstream() as a, open_upstream() as b:
+        command = [
+            "run", "--allow-domain", f"127.0.0.1:{a.port}", "--",
+            "/usr/bin/python3", "-c", PIPELINED, "127.0.0.1", "127.0.0.1", str(a.port),
+            a.marker, str(b.port),
+        ]  # fmt: skip
+        if who == "unprivileged":
+            argv = other_user.python("-m", module, *command)
+            env = other_user.env({"XDG_RUNTIME_DIR": str(runtime)})
+        else:
+            argv = [sys.executable, "-m", module, *command]
+            env = {
+                "PATH": os.environ["PATH"],
+                "HOME": str(user_dir),
+                "XDG_RUNTIME_DIR": str(runtime),
+            }
+        try:
+            result = subprocess.run(
+                argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, capture_output=True,
+                text=True, timeout=120, check=False,
+            )  # fmt: skip
+        finally:
+            for pid in daemon_pids(runtime):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        assert result.returncode == 0, result
+        first, _, second = result.stdout.partition("\n--\n")
+        assert first.count(a.marker) == 1 and "HTTP/1.1 403 " in first, result
+        assert second.count(a.marker) == 1 and "HTTP/1.1 403 " in second, result
+        assert a.seen == [f"127.0.0.1:{a.port}"] * 2 and b.seen == []
+    violations = [line for line in result.stderr.splitlines() if "violation" in line]
+    assert len(violations) == 2, result.stderr
+    assert all(f"127.0.0.1:{b.port}" in line for line in violations), violations
