@@ -661,3 +661,34 @@ def test_through_the_cli_a_refused_port_on_a_kept_connection_is_one_violation(
     violations = [line for line in result.stderr.splitlines() if "violation" in line]
     assert len(violations) == 2, result.stderr
     assert all(f"127.0.0.1:{b.port}" in line for line in violations), violations
+
+
+async def test_a_resume_from_the_spare_gets_its_own_state_never_another_sessions(
+    tmp_path: pathlib.Path,
+) -> None:
+    m = vm_manager(tmp_path)
+    try:
+        x, y = await vm_launch(m), await vm_launch(m)
+        for handle, name in ((x, "x"), (y, "y")):
+            wrote = await run_collect(handle, ["/bin/sh", "-c", f"echo {name} > /tmp/who"])
+            assert wrote.exit_code == 0, wrote
+        x_state, y_state = x.run_dir, y.run_dir
+        assert x_state is not None and y_state is not None
+        await x.suspend()
+        await y.suspend()
+        await x.resume()  # a fresh QEMU (the spare there was is a restore's); then a spare
+        spare = vm_pool()._spare  # for a resume with the same shares: y's
+        assert spare is not None and spare.key.ram is None
+        async with asyncio.timeout(60):
+            await asyncio.shield(spare.up)
+        await y.resume()
+        assert y.from_spare and y.run_dir == spare.run_dir  # so the check below can fail
+        for handle, name in ((x, "x"), (y, "y")):
+            read = await run_collect(handle, ["cat", "/tmp/who"])
+            assert read.stdout == f"{name}\n".encode(), (name, read)
+        # Each suspended state is gone once its session is warm again.
+        async with asyncio.timeout(30):
+            while x_state.exists() or y_state.exists():
+                await asyncio.sleep(0.02)
+    finally:
+        await m.aclose()
