@@ -170,7 +170,10 @@ async def bench_raw(bwrap: str, work: str, workers: int, per_worker: int
 
 
 async def bench_server(url: str, token: str, work: str, workers: int, per_worker: int,
-                       via: str) -> tuple[float, float, list[float]]:
+                       via: str, pid: int | None = None
+                       ) -> tuple[float, float, list[float], tuple[float, float]]:
+    """(create s, load wall s, latencies s, server `pid`'s CPU once the sandboxes are created
+    and their streams open, just before the load)."""
     headers = {"Authorization": f"Bearer {token}"}
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(url, headers=headers, connector=connector) as client:
@@ -207,6 +210,7 @@ async def bench_server(url: str, token: str, work: str, workers: int, per_worker
             streams = list(await asyncio.gather(*(
                 client.ws_connect(f"/v1/sandboxes/{i}/session/ws") for i in ids)))
         sent = [0] * workers
+        loaded = cpu_s(pid) if pid is not None else (0.0, 0.0)
 
         async def one_session(index: int) -> None:
             ws, sent[index] = streams[index], sent[index] + 1
@@ -225,7 +229,7 @@ async def bench_server(url: str, token: str, work: str, workers: int, per_worker
         for ws in streams:
             await ws.close()
         await asyncio.gather(*(client.delete(f"/v1/sandboxes/{i}") for i in ids))
-    return create_s, wall, latencies
+    return create_s, wall, latencies, loaded
 
 
 async def bench_library(work: str, workers: int, per_worker: int) -> tuple[float, list[float]]:
@@ -373,8 +377,8 @@ async def main_async(args: argparse.Namespace) -> int:
         lib_cpu = _own_cpu_s() - (mine.user + mine.system)
         cpu_before = cpu_s(proc.pid)
         mine_before = _own_cpu_s()
-        create_s, srv_wall, srv_lat = await bench_server(
-            url, token, work, args.sandboxes, args.commands, args.via)
+        create_s, srv_wall, srv_lat, cpu_loaded = await bench_server(
+            url, token, work, args.sandboxes, args.commands, args.via, proc.pid)
         client_cpu = _own_cpu_s() - mine_before
         cpu_after = cpu_s(proc.pid)
         after = await settle(proc.pid, idle)
@@ -403,7 +407,8 @@ async def main_async(args: argparse.Namespace) -> int:
               f"server {statistics.mean(srv_lat) * 1000:.1f} ms")
         print(f"server CPU per command: {(cpu_after[0] - cpu_before[0]) / n * 1000:.1f} ms in "
               f"the server process, {(cpu_after[1] - cpu_before[1]) / n * 1000:.1f} ms in its "
-              "sandboxes (bwrap, launcher, command)")
+              "sandboxes (bwrap, launcher, command); without the creates and stream opens: "
+              f"{(cpu_after[0] - cpu_loaded[0]) / n * 1000:.2f} ms in the server process")
         print(f"library CPU per command: {lib_cpu / n * 1000:.1f} ms (this process); the server's "
               f"client: {client_cpu / n * 1000:.1f} ms (this process, sharing the CPUs with it)")
         back = after == idle
