@@ -34,7 +34,7 @@ from test_review_2026_12_02 import (
 )
 
 from cc_server.backends.identity import STAGE_DIR
-from cc_server.backends.plan import LaunchPlan, SandboxIdentity
+from cc_server.backends.plan import LaunchPlan, PathFd, SandboxIdentity
 from cc_server.policy import SandboxBackend
 from cc_server.runtime.session_sandbox import _host_binds
 
@@ -256,3 +256,7 @@ def test_the_host_paths_a_sandbox_binds_are_read_from_its_plan_with_and_without_
     other = LaunchPlan(backend=SandboxBackend.NATIVE, argv=staged, env=(),
                        identity=SandboxIdentity(helper="cc-identity", uid=5, gid=5))
     assert _host_binds(other) == ("/usr", "/w", "/w/.git/hooks")
+    # A spec bind made by fd (a server that is not root): its source is the fd's path.
+    by_fd = (*bwrap[:7], "--bind-fd", PathFd(path="/w"), "/w", *bwrap[10:])
+    plain_fd = LaunchPlan(backend=SandboxBackend.NATIVE, argv=by_fd, env=())
+    assert _host_binds(plain_fd) == ("/usr", "/w", "/w/.git/hooks")

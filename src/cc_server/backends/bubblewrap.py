@@ -21,6 +21,7 @@ from cc_server.backends.plan import (
     FdArg,
     InheritedFd,
     LaunchPlan,
+    PathFd,
     SandboxIdentity,
     SessionCommand,
 )
@@ -99,7 +100,7 @@ def _ancestors_between(root: str, path: str) -> list[str]:
     return out
 
 
-_Word = str | FdArg | InheritedFd
+_Word = str | FdArg | InheritedFd | PathFd
 
 
 def _check_policy(policy: CompiledPolicy, create_rules: CreateRuleTools | None) -> None:
@@ -199,11 +200,19 @@ def _step_home(host: HostFacts, mounts: Sequence[Mount]) -> list[str | FdArg]:
     return ["--tmpfs", home]
 
 
-def _step_binds(host: HostFacts, mounts: Sequence[Mount]) -> list[str | FdArg]:
+def _step_binds(host: HostFacts, mounts: Sequence[Mount], *, by_fd: bool) -> list[_Word]:
     # 4. The spec's bind mounts, shallowest first so a deeper bind lands on top of its parent.
-    args: list[str | FdArg] = []
+    #    `by_fd`: each source is opened by the runner with no symlink on the way and bound by fd,
+    #    so a source swapped for a symlink after planning (by a second sandbox whose bind holds
+    #    it) fails the start instead of binding where it leads. (A root server's identity helper
+    #    opens each root the same way itself.)
+    args: list[_Word] = []
     for mount in sorted(mounts, key=lambda m: m.host_path.count("/")):
-        args += ["--bind" if mount.writable else "--ro-bind", mount.host_path, mount.host_path]
+        if by_fd:
+            flag = "--bind-fd" if mount.writable else "--ro-bind-fd"
+            args += [flag, PathFd(path=mount.host_path), mount.host_path]
+        else:
+            args += ["--bind" if mount.writable else "--ro-bind", mount.host_path, mount.host_path]
         if mount.literal_path != mount.host_path:
             args += ["--symlink", mount.host_path, mount.literal_path]
     return args
@@ -530,7 +539,7 @@ def plan_bubblewrap(
     )
     argv += _step_system(host)
     argv += _step_home(host, policy.mounts)
-    argv += _step_binds(host, policy.mounts)
+    argv += _step_binds(host, policy.mounts, by_fd=identity is None)
     argv += _step_deny_write(host, policy, pinned, read_only)
     argv += _step_deny_read(host, policy, pinned, read_only)
     bridge_args, bridged = _step_egress(policy, command, socat, create_rules is not None)

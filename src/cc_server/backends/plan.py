@@ -15,6 +15,7 @@ __all__ = [
     "FdArg",
     "InheritedFd",
     "LaunchPlan",
+    "PathFd",
     "Planner",
     "SandboxIdentity",
     "SessionCommand",
@@ -66,6 +67,19 @@ class FdArg:
 
     def __str__(self) -> str:
         return f"<fd:{self.name}>"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PathFd:
+    """An argv slot the runner fills with the number of an `O_PATH` fd of `path`, opened just
+    before spawning with no symlink on the way (a bind's source for `--bind-fd`: swapped for a
+    symlink after planning, by a second sandbox whose bind holds it, it must not lead
+    elsewhere). A path with a symlink in it, or gone, fails the start."""
+
+    path: str
+
+    def __str__(self) -> str:
+        return f"<fd:{self.path}>"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -136,7 +150,7 @@ class LaunchPlan:
     """
 
     backend: SandboxBackend
-    argv: tuple[str | FdArg | InheritedFd, ...]
+    argv: tuple[str | FdArg | InheritedFd | PathFd, ...]
     env: tuple[tuple[str, str], ...]
     cwd: str | None = None
     notes: tuple[str, ...] = ()

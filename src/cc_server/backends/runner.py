@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import signal
+import stat
 import struct
 import subprocess
 import termios
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO, TYPE_CHECKING, Any
 
-from cc_server.backends.plan import FdArg, InheritedFd, LaunchPlan
+from cc_server.backends.plan import FdArg, InheritedFd, LaunchPlan, PathFd
 from cc_server.errors import EnforcementFailed
 
 if TYPE_CHECKING:
@@ -46,6 +47,31 @@ def _sealed_memfd(arg: FdArg) -> int:
     return fd
 
 
+def _opened_without_symlinks(arg: PathFd) -> int:
+    """An `O_PATH` fd of `arg.path` (absolute), each component opened `O_NOFOLLOW` from the one
+    before, so no symlink is followed on the way or at its end.
+
+    Raises:
+        EnforcementFailed: a component is a symlink now, or is gone.
+    """
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [p for p in arg.path.split("/") if p]:
+            step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = step
+            if stat.S_ISLNK(os.fstat(fd).st_mode):
+                raise EnforcementFailed(
+                    f"the bind source {arg.path} has a symlink on its path ({part}) since the "
+                    "policy was made; a bind is never made through one, so the command was not run",
+                    fix="bind the directory it leads to, or put the directory back",
+                )
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 @contextlib.contextmanager
 def _materialised(
     plan: LaunchPlan, inherited: Mapping[str, int] | None = None
@@ -57,6 +83,9 @@ def _materialised(
         for word in plan.argv:
             if isinstance(word, FdArg):
                 fds.append(_sealed_memfd(word))
+                argv.append(str(fds[-1]))
+            elif isinstance(word, PathFd):
+                fds.append(_opened_without_symlinks(word))
                 argv.append(str(fds[-1]))
             elif isinstance(word, InheritedFd):
                 if inherited is None or word.name not in inherited:

@@ -39,7 +39,7 @@ from cc_server.backends.fdpass import wait_writable
 from cc_server.backends.handoff import Launched, launch
 from cc_server.backends.identity import STAGE_DIR
 from cc_server.backends.peer import SandboxPeers
-from cc_server.backends.plan import LaunchPlan, SandboxIdentity, SessionCommand
+from cc_server.backends.plan import LaunchPlan, PathFd, SandboxIdentity, SessionCommand
 from cc_server.backends.supervisor import (
     CreateRefused,
     CreateRuleSupervisor,
@@ -475,8 +475,8 @@ def _only_child(pid: int) -> int | None:
 
 def _host_binds(plan: LaunchPlan) -> tuple[str, ...]:
     """The sandbox paths where `plan` binds the host path of the same name: bwrap's `--bind` and
-    `--ro-bind` options up to its `--`, a source staged by another identity's helper from one of
-    its `--map` roots named as that root's path."""
+    `--ro-bind` options (and their `-fd` forms) up to its `--`, a source staged by another
+    identity's helper from one of its `--map` roots named as that root's path."""
     words, roots = list(plan.argv), []
     if plan.identity is not None and "--" in words:
         end = words.index("--")  # the identity helper's own options, then bwrap's argv
@@ -486,8 +486,10 @@ def _host_binds(plan: LaunchPlan) -> tuple[str, ...]:
     for i, word in enumerate(words):
         if word == "--":
             break
-        if word in ("--bind", "--ro-bind") and i + 2 < len(words):
+        if word in ("--bind", "--ro-bind", "--bind-fd", "--ro-bind-fd") and i + 2 < len(words):
             source, target = words[i + 1], words[i + 2]
+            if isinstance(source, PathFd):  # a spec bind by fd: its source, opened without symlinks
+                source = source.path
             if (isinstance(source, str) and isinstance(target, str)
                     and _unstaged(source, roots) == target and target not in found):
                 found.append(target)

@@ -20,7 +20,14 @@ from cc_server.backends.bubblewrap import (
 )
 from cc_server.backends.egress_bridge import BRIDGE_DIR
 from cc_server.backends.identity import session_identity
-from cc_server.backends.plan import Command, EgressBridge, FdArg, LaunchPlan, SandboxIdentity
+from cc_server.backends.plan import (
+    Command,
+    EgressBridge,
+    FdArg,
+    LaunchPlan,
+    PathFd,
+    SandboxIdentity,
+)
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import BackendUnavailable, BadSpec, EnforcementFailed
 from cc_server.policy import (
@@ -64,6 +71,8 @@ ARITY: Mapping[str, int] = {
     "--cap-drop": 1,
     "--ro-bind": 2,
     "--bind": 2,
+    "--ro-bind-fd": 2,
+    "--bind-fd": 2,
     "--symlink": 2,
     "--proc": 1,
     "--dev": 1,
@@ -142,8 +151,14 @@ def make_policy(host: HostFacts, **fields: Any) -> CompiledPolicy:
     return compile_policy(parse_spec(data), host)
 
 
-def ops(argv: Sequence[str | FdArg]) -> list[tuple[str | FdArg, ...]]:
-    """Group a bwrap argv into (option, *args) tuples; the command after `--` is one tuple."""
+BY_FD: Mapping[str, str] = {"--bind-fd": "--bind", "--ro-bind-fd": "--ro-bind"}
+
+
+def ops(argv: Sequence[str | FdArg | PathFd]) -> list[tuple[str | FdArg, ...]]:
+    """Group a bwrap argv into (option, *args) tuples; the command after `--` is one tuple. A
+    spec bind made by fd (`--bind-fd <PathFd> DEST`: test_representative_argv_exact and
+    test_spec_binds_are_made_by_fd_opened_without_symlinks show that form) reads as the bind it
+    makes, `--bind SRC DEST`."""
     assert argv[0] == BWRAP, argv
     out: list[tuple[str | FdArg, ...]] = []
     i = 1
@@ -154,7 +169,12 @@ def ops(argv: Sequence[str | FdArg]) -> list[tuple[str | FdArg, ...]]:
             break
         assert isinstance(opt, str) and opt in ARITY, f"unexpected bwrap option {opt!r}"
         n = ARITY[opt]
-        out.append(tuple(argv[i : i + 1 + n]))
+        group = tuple(argv[i : i + 1 + n])
+        if opt in BY_FD:
+            source = group[1]
+            assert isinstance(source, PathFd), group
+            group = (BY_FD[opt], source.path, *group[2:])
+        out.append(group)  # type: ignore[arg-type]
         i += 1 + n
     return out
 
@@ -227,8 +247,8 @@ def test_representative_argv_exact(rep_plan: LaunchPlan) -> None:
         *NAMESPACES,
         *SYSTEM,
         "--tmpfs", HOME,
-        "--bind", "/work/repo", "/work/repo",
-        "--ro-bind", "/opt/data", "/opt/data",
+        "--bind-fd", PathFd(path="/work/repo"), "/work/repo",
+        "--ro-bind-fd", PathFd(path="/opt/data"), "/opt/data",
         "--bind", "/work/repo/sub", "/work/repo/sub",
         "--ro-bind", "/work/repo/sub/checkout", "/work/repo/sub/checkout",
         "--ro-bind", "/work/repo/.bashrc", "/work/repo/.bashrc",
@@ -400,9 +420,9 @@ def test_symlinked_bind_source_mounted_at_resolved_path_plus_symlink() -> None:
     policy = make_policy(host, bindMounts=[{"hostPath": "/w/link"}])
     p = plan(policy, host)
     argv = list(p.argv)
-    at = argv.index("--bind")
+    at = argv.index("--bind-fd")
     assert argv[at : at + 6] == [
-        "--bind", "/data/real", "/data/real", "--symlink", "/data/real", "/w/link",
+        "--bind-fd", PathFd(path="/data/real"), "/data/real", "--symlink", "/data/real", "/w/link",
     ], p.render()  # fmt: skip
     assert ("--bind", "/w/link", "/w/link") not in ops(argv), p.render()
     assert ("--chdir", "/data/real") in ops(argv)
@@ -416,7 +436,7 @@ def test_home_bound_writable_masks_secrets() -> None:
     policy = make_policy(host, bindMounts=[{"hostPath": HOME}])
     p = plan(policy, host)
     tail = [
-        "--bind", HOME, HOME,
+        "--bind-fd", PathFd(path=HOME), HOME,
         "--tmpfs", f"{HOME}/.ssh", "--remount-ro", f"{HOME}/.ssh",
         "--bind", f"{HOME}/.config", f"{HOME}/.config",
         "--tmpfs", f"{HOME}/.config/gh", "--remount-ro", f"{HOME}/.config/gh",
