@@ -7,6 +7,7 @@ each case checks the host (or the sandbox's mount table, read on the host) after
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import pathlib
@@ -16,7 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 from escape_kit import Sandboxes, attempts, outcomes, output, run_attack, unique
+from other_user import HOST_PYTHON, OtherUser
 from test_session_plan_reuse import MOUNT, UMOUNT, _bind_home, _sandbox_mounts, _twice
+from write_kit import refusals
 
 from cc_server.errors import CcServerError
 from cc_server.rundir import BASE_DIR_NAME, REGISTRY_NAME
@@ -221,6 +224,98 @@ async def test_a_bind_source_replaced_by_a_symlink_from_a_second_sandbox_exposes
 # --- a path of plain names judged as the start's path joined with it ------------------------
 
 
+async def test_a_cwd_moved_out_of_the_bind_by_a_second_sandbox_makes_no_protected_file(
+    sb: Sandboxes,
+) -> None:
+    """Session A binds p/w and works in p/w/x; session B binds p and moves x out to p/x while
+    A's command waits there. A's cwd is then outside every root of A's policy (its path, read
+    from the fd, is the host's), yet still writable through A's mount: a plain-name create of a
+    protected name there must not land on the host."""
+    p = sb.root / "p"
+    w = p / "w"
+    (w / "x" / "sub").mkdir(parents=True)
+    a = sb.launch(bindMounts=[{"hostPath": str(w)}], guestWorkdir=str(w))
+    b = sb.launch(bindMounts=[{"hostPath": str(p)}], guestWorkdir=str(p))
+    go = w / "go"
+    script = (
+        f"cd {w}/x && i=0; while [ ! -e {go} ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; "
+        + attempts(
+            bare="echo evil > .mcp.json",
+            plain="echo evil > sub/.mcp.json",
+            rc="echo evil > sub/.bashrc",
+            claude="mkdir -p sub/.claude 2>/dev/null; echo evil > sub/.claude/settings.json",
+        )
+    )
+    waiting = asyncio.ensure_future(sb.sh(a, script))
+    await asyncio.sleep(0.5)
+    moved = await sb.sh(b, f"mv {w}/x {p}/x && touch {go} && echo moved")
+    assert moved.stdout == b"moved\n", output(moved)
+    result = await waiting
+    made = [str(path.relative_to(p)) for path in (
+        p / "x" / ".mcp.json", p / "x" / "sub" / ".mcp.json", p / "x" / "sub" / ".bashrc",
+        p / "x" / "sub" / ".claude" / "settings.json",
+    ) if path.exists()]  # fmt: skip
+    assert made == [], (made, output(result), refusals(a))
+
+
+# Run as the unprivileged user: sessions A (binds ROOT/p/side) and B (binds ROOT/p) of one
+# manager; B swaps A's bind source for a symlink to the fake $HOME between two of A's commands.
+SWAP_AS_USER = """
+import asyncio, os, sys
+from cc_server.backends.probe import probe
+from cc_server.policy import HostFacts, detect_platform, parse_spec
+from cc_server.runtime.handle import run_collect
+from cc_server.runtime.port import SandboxManager
+
+root = sys.argv[1]
+home, p = os.path.join(root, "home"), os.path.join(root, "p")
+side = os.path.join(p, "side")
+host = HostFacts(platform=detect_platform(), home=home, realpath=os.path.realpath,
+                 exists=os.path.lexists, is_dir=os.path.isdir)
+
+def spec(sid, bind):
+    return parse_spec({"sessionId": sid, "workspaceId": "w", "mode": "chat",
+                       "bindMounts": [{"hostPath": bind}], "guestWorkdir": bind})
+
+async def main():
+    manager = SandboxManager(probe_result=probe(), host=host)
+    try:
+        a, b = manager.launch(spec("rfs-a", side)), manager.launch(spec("rfs-b", p))
+        for _ in range(2):
+            print("first", (await run_collect(a, ["cat", side + "/mine"])).stdout)
+        swap = await run_collect(
+            b, ["/bin/sh", "-c", f"mv {side} {p}/side.old && ln -s {home} {side}"])
+        print("swap", swap.exit_code, os.path.islink(side))
+        try:
+            got = await run_collect(a, ["/bin/sh", "-c", f"cat {side}/.ssh/id_ed25519"])
+            print("second", got.stdout + got.stderr)
+        except Exception as exc:
+            print("refused", type(exc).__name__, exc)
+    finally:
+        await manager.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_as_an_unprivileged_user_a_bind_source_swapped_for_a_symlink_exposes_nothing(
+    other_user: OtherUser, user_dir: pathlib.Path
+) -> None:
+    marker = unique("CC-SECRET-USER-SSH")
+    (user_dir / "home" / ".ssh").mkdir(parents=True)
+    (user_dir / "home" / ".ssh" / "id_ed25519").write_text(f"{marker}\n")
+    (user_dir / "p" / "side").mkdir(parents=True)
+    (user_dir / "p" / "side" / "mine").write_text("side file\n")
+    (user_dir / "driver.py").write_text(SWAP_AS_USER)
+    subprocess.run(["chown", "-R", f"{other_user.uid}:{other_user.gid}", str(user_dir)], check=True)
+    done = other_user.run(
+        [HOST_PYTHON, str(user_dir / "driver.py"), str(user_dir)], cwd=user_dir, timeout_s=120
+    )
+    assert "first b'side file\\n'" in done.stdout, (done.stdout, done.stderr)
+    assert "swap 0 True" in done.stdout, (done.stdout, done.stderr)  # the swap was made
+    assert marker not in done.stdout + done.stderr, (done.stdout, done.stderr)
+
+
 # A thread moves the start directory's ancestors back and forth (allowed: no protected name on
 # either side) and tries to move it into a .claude directory the host made, while the main
 # thread creates protected names below the cwd by plain paths: every create is refused, and
@@ -357,6 +452,107 @@ async def test_a_mount_the_host_makes_over_a_masked_secret_is_not_seen_next(
         assert marker not in output(second) and b"ran" in second.stdout, output(second)
     finally:
         subprocess.run([UMOUNT, "-l", str(aws)], check=True)
+
+
+# Run as the unprivileged user: session A binds ROOT/p/w, session B binds ROOT/p. A binds a
+# datagram socket in the shared directory; B sends it a descriptor of its own bind root P with
+# sendmsg to that address (datagrams sent with an address are not judged). A makes protected
+# names below that descriptor: they would land in B's writable root, where B's policy refuses
+# each of them.
+FD_PASS_AS_USER = """
+import asyncio, os, sys
+from cc_server.backends.probe import probe
+from cc_server.policy import HostFacts, detect_platform, parse_spec
+from cc_server.runtime.handle import run_collect
+from cc_server.runtime.port import SandboxManager
+
+RECV = '''
+import array, os, socket, sys
+w = sys.argv[1]
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(w + "/s.sock")
+open(w + "/ready", "w").close()
+s.settimeout(20)
+_, anc, _, _ = s.recvmsg(16, socket.CMSG_SPACE(4))
+fds = array.array("i")
+fds.frombytes(anc[0][2][:4])
+os.fchdir(fds[0])
+for rel in (".mcp.json", ".claude.json", "sub/.mcp.json"):
+    try:
+        os.close(os.open(rel, os.O_CREAT | os.O_WRONLY, 0o644))
+    except OSError as exc:
+        print("refused", rel, exc)
+try:
+    os.makedirs("nested/.git/hooks")
+    with open("nested/.git/hooks/pre-commit", "w") as f:
+        f.write("#!/bin/sh\\\\n")
+except OSError as exc:
+    print("refused hook", exc)
+'''
+SEND = '''
+import os, socket, sys, time
+p, w = sys.argv[1], sys.argv[2]
+for _ in range(400):
+    if os.path.exists(w + "/ready"):
+        break
+    time.sleep(0.05)
+fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fd.to_bytes(4, sys.byteorder))]
+s.sendmsg([b"x"], rights, 0, w + "/s.sock")
+print("sent")
+'''
+
+root = sys.argv[1]
+home, p = os.path.join(root, "home"), os.path.join(root, "p")
+w = os.path.join(p, "w")
+with open(os.path.join(w, "recv.py"), "w") as f:
+    f.write(RECV)
+with open(os.path.join(w, "send.py"), "w") as f:
+    f.write(SEND)
+host = HostFacts(platform=detect_platform(), home=home, realpath=os.path.realpath,
+                 exists=os.path.lexists, is_dir=os.path.isdir)
+
+def spec(sid, bind):
+    return parse_spec({"sessionId": sid, "workspaceId": "w", "mode": "chat",
+                       "bindMounts": [{"hostPath": bind}]})
+
+async def main():
+    manager = SandboxManager(probe_result=probe(), host=host)
+    try:
+        a, b = manager.launch(spec("rfs-fa", w)), manager.launch(spec("rfs-fb", p))
+        got, sent = await asyncio.gather(
+            run_collect(a, ["python3", w + "/recv.py", w], timeout_s=30),
+            run_collect(b, ["python3", w + "/send.py", p, w], timeout_s=30))
+        print("A", got.stdout + got.stderr)
+        print("B", sent.stdout + sent.stderr)
+        print("violations", [(v.action, v.target) for v in a.violations])
+    finally:
+        await manager.aclose()
+
+asyncio.run(main())
+"""
+
+
+def test_as_an_unprivileged_user_a_directory_passed_from_another_sandbox_gets_no_protected_file(
+    other_user: OtherUser, user_dir: pathlib.Path
+) -> None:
+    p = user_dir / "p"
+    (p / "w").mkdir(parents=True)
+    (p / "sub").mkdir()
+    (user_dir / "home").mkdir()
+    (user_dir / "driver.py").write_text(FD_PASS_AS_USER)
+    subprocess.run(["chown", "-R", f"{other_user.uid}:{other_user.gid}", str(user_dir)], check=True)
+    done = other_user.run(
+        [HOST_PYTHON, str(user_dir / "driver.py"), str(user_dir)], cwd=user_dir, timeout_s=120
+    )
+    assert "B b'sent\\n'" in done.stdout, (done.stdout, done.stderr)  # the descriptor went
+    made = [
+        rel
+        for rel in (".mcp.json", ".claude.json", "sub/.mcp.json", "nested/.git/hooks/pre-commit")
+        if (p / rel).exists()
+    ]
+    assert made == [], (made, done.stdout, done.stderr)
 
 
 async def test_a_deep_protected_file_cannot_be_reached_by_a_plain_name_linked_to_it(
