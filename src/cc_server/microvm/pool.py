@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from cc_server.backends.mount_view import bound_as_on_host
 from cc_server.backends.plan import FdArg, SandboxIdentity
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import CcServerError, EnforcementFailed
@@ -478,7 +479,7 @@ class VmPool:
                 raise
             paths = [share.host_path for share in key.shares if share is not None]
             if (qemu is not None and qemu.returncode is None and spare.inner_pid is not None
-                    and _bound_as_on_host(spare.inner_pid, paths)):
+                    and bound_as_on_host(spare.inner_pid, paths)):
                 return spare.take(), spare.run_dir
         await spare.discard()
         return None
@@ -515,19 +516,6 @@ class VmPool:
             raise
         os.close(fd)
         await vm.qemu.quit()
-
-
-def _bound_as_on_host(pid: int, paths: Sequence[str]) -> bool:
-    """Whether each of `paths` is, in `pid`'s mount namespace, the file the host has there now
-    (same device and inode)."""
-    for path in paths:
-        try:
-            host, inside = os.stat(path), os.stat(f"/proc/{pid}/root{path}")
-        except OSError:
-            return False
-        if (host.st_dev, host.st_ino) != (inside.st_dev, inside.st_ino):
-            return False
-    return True
 
 
 def _deepest_descendant(root: int) -> int:

@@ -38,6 +38,7 @@ from cc_server.backends.child_watch import wait_exited
 from cc_server.backends.fdpass import wait_writable
 from cc_server.backends.handoff import Launched, launch
 from cc_server.backends.identity import STAGE_DIR
+from cc_server.backends.mount_view import bound_as_on_host
 from cc_server.backends.peer import SandboxPeers
 from cc_server.backends.plan import LaunchPlan, PathFd, SandboxIdentity, SessionCommand
 from cc_server.backends.supervisor import (
@@ -216,7 +217,7 @@ class SessionSandbox:
             and self._mounts is not None
             and self._launcher_pid is not None
             and _mount_table(self._launcher_pid) == self._mounts
-            and _bound_as_on_host(self._launcher_pid, self._binds)
+            and bound_as_on_host(self._launcher_pid, self._binds)
         )
 
     @classmethod
@@ -503,18 +504,6 @@ def _unstaged(source: str, roots: Sequence[object]) -> str:
         if isinstance(root, str) and (source == stage or source.startswith(f"{stage}/")):
             return root + source[len(stage) :]
     return source
-
-
-def _bound_as_on_host(pid: int, paths: Sequence[str]) -> bool:
-    """Whether each of `paths` is, in `pid`'s mount namespace, the file the host has there now."""
-    for path in paths:
-        try:
-            host, inside = os.stat(path), os.stat(f"/proc/{pid}/root{path}")
-        except OSError:
-            return False
-        if (host.st_dev, host.st_ino) != (inside.st_dev, inside.st_ino):
-            return False
-    return True
 
 
 def _mount_table(pid: int) -> bytes | None:
