@@ -46,6 +46,8 @@ from test_egress_smuggling import Client, ok
 
 from cc_server.egress.addresses import IPAddress
 from cc_server.egress.driver import (
+    AskAnswer,
+    EgressAsk,
     EgressRefused,
     ProxyLimits,
     ProxyParams,
@@ -692,3 +694,42 @@ async def test_a_resume_from_the_spare_gets_its_own_state_never_another_sessions
                 await asyncio.sleep(0.02)
     finally:
         await m.aclose()
+
+
+async def test_an_approval_asked_for_one_request_is_not_reused_by_the_next_on_the_connection() -> (
+    None
+):
+    # Ask mode: the first request to an unlisted name is approved, the second (same name and
+    # port, the kept upstream idle) is asked about again and refused.
+    a = Upstream()
+    asked: list[EgressAsk] = []
+
+    async def asker(ask: EgressAsk) -> AskAnswer:
+        asked.append(ask)
+        return AskAnswer(allowed=len(asked) == 1, reason="refused the second time")
+
+    async with contextlib.AsyncExitStack() as stack:
+        server = await asyncio.start_server(a.serve, "127.0.0.1", 0)
+        await stack.enter_async_context(server)
+        a.port = server.sockets[0].getsockname()[1]
+        refusals: list[EgressRefused] = []
+        params = ProxyParams(
+            session_id="rnet-ask",
+            allowlist=Allowlist(patterns=parse_rules("test", ["127.0.0.1"], "test")),
+            on_refused=refusals.append,
+            resolver=fixed_resolver,
+            ask=asker,
+        )
+        proxies = await stack.enter_async_context(open_session_proxies(params))
+        net = Net(a, Upstream(), proxies, refusals)
+        async with client(net) as c:
+            await c.send(request("ask.other.test", a.port, "/one"))
+            assert await c.response() == (200, b"ok|/one")
+            await c.send(request("ask.other.test", a.port, "/two"))
+            status, body = await c.response()
+            await settle()
+    assert status == 403, body
+    assert [(ask.host, ask.port) for ask in asked] == [("ask.other.test", a.port)] * 2
+    assert a.requests == [b"/one"] and all(b"/two" not in raw for raw in a.received)
+    (refusal,) = refusals
+    assert (refusal.host, refusal.port) == ("ask.other.test", a.port)
