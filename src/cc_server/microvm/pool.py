@@ -27,6 +27,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from cc_server.tasks import start_task
 __all__ = ["BOOT_TIMEOUT_S", "SpareKey", "Template", "Vm", "VmPool"]
 
 log = logging.getLogger("cc_server.microvm")
+SPARE_END_TIMEOUT_S: Final = 5.0  # a SIGKILLed process's end; milliseconds normally
 BOOT_TIMEOUT_S: Final = 120.0  # a cold boot under TCG on a loaded 2-core host: seconds normally
 # Bump when the machine's device set or CPU model changes, or how a state is saved (5: saved
 # running, so a restore starts by itself; 6: TCG's CPU without ERMS and FSRM).
@@ -84,7 +86,9 @@ class SpareKey:
 class _Spare:
     """A QEMU being started, or waiting, with `-incoming defer` for `key`. Its task owns it
     until it is taken: ended with the task (a discard, or the event loop's end, which cancels
-    it); `inner_pid` is a process in its mount namespace (QEMU under bubblewrap)."""
+    it); `inner_pid` is a process in its mount namespace (QEMU under bubblewrap). The
+    processes below the one started (bubblewrap's own and QEMU) die with it only by their
+    parent-death signal, later: an end kills and waits for each of them too (`_pidfds`)."""
 
     key: SpareKey
     run_dir: Path
@@ -93,6 +97,7 @@ class _Spare:
     task: asyncio.Task[None] | None = None
     inner_pid: int | None = None
     taken: bool = False
+    _pidfds: tuple[int, ...] = ()
 
     async def keep(self, argv: tuple[str | FdArg, ...]) -> None:
         """Start QEMU and hold it until taken; end it otherwise (cancelled included)."""
@@ -100,7 +105,9 @@ class _Spare:
         try:
             qemu = await Qemu.launch(argv, self.run_dir)
             await qemu.prepare_incoming(ignore_shared=self.key.ram is not None)
-            self.inner_pid = await asyncio.to_thread(_deepest_descendant, qemu.pid)
+            chain = await asyncio.to_thread(_descendant_chain, qemu.pid)
+            self._pidfds = _open_pidfds(chain)
+            self.inner_pid = chain[-1] if chain else qemu.pid
             self.up.set_result(qemu)
             await asyncio.get_running_loop().create_future()  # until taken or discarded
         except BaseException as exc:
@@ -114,12 +121,20 @@ class _Spare:
                 try:
                     if qemu is not None:
                         await qemu.kill()
+                    await _kill_and_wait(self._pidfds)
                 finally:
+                    self._close_pidfds()
                     shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _close_pidfds(self) -> None:
+        pidfds, self._pidfds = self._pidfds, ()
+        for pidfd in pidfds:
+            os.close(pidfd)
 
     def take(self) -> Qemu:
         """Its QEMU, now the caller's (needs `up` done without an error)."""
         self.taken = True
+        self._close_pidfds()  # the VM's end is Qemu's from here (as for a QEMU started anew)
         assert self.task is not None
         self.task.cancel()
         return self.up.result()
@@ -518,8 +533,8 @@ class VmPool:
         await vm.qemu.quit()
 
 
-def _deepest_descendant(root: int) -> int:
-    """The last process of the chain below `root` (each one's first child)."""
+def _descendant_chain(root: int) -> list[int]:
+    """The chain of processes below `root` (each one's first child), nearest first."""
     children: dict[int, list[int]] = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -527,10 +542,43 @@ def _deepest_descendant(root: int) -> int:
                 with open(f"/proc/{name}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 children.setdefault(ppid, []).append(int(name))
+    chain: list[int] = []
     pid = root
     while children.get(pid):
         pid = min(children[pid])
-    return pid
+        chain.append(pid)
+    return chain
+
+
+def _open_pidfds(pids: Sequence[int]) -> tuple[int, ...]:
+    """A pidfd for each of `pids` still alive."""
+    pidfds = []
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            pidfds.append(os.pidfd_open(pid))
+    return tuple(pidfds)
+
+
+async def _kill_and_wait(pidfds: Sequence[int]) -> None:
+    """SIGKILL each process and wait until each has ended (at most SPARE_END_TIMEOUT_S)."""
+    loop = asyncio.get_running_loop()
+    for pidfd in pidfds:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        ended: asyncio.Future[None] = loop.create_future()
+
+        def readable(future: asyncio.Future[None] = ended) -> None:
+            if not future.done():
+                future.set_result(None)
+
+        loop.add_reader(pidfd, readable)
+        try:
+            async with asyncio.timeout(SPARE_END_TIMEOUT_S):
+                await ended
+        except TimeoutError:
+            log.warning("a spare QEMU's process (pidfd %d) did not end", pidfd)
+        finally:
+            loop.remove_reader(pidfd)
 
 
 def _sha256(path: Path) -> str:
