@@ -733,3 +733,23 @@ async def test_an_approval_asked_for_one_request_is_not_reused_by_the_next_on_th
     assert a.requests == [b"/one"] and all(b"/two" not in raw for raw in a.received)
     (refusal,) = refusals
     assert (refusal.host, refusal.port) == ("ask.other.test", a.port)
+
+
+async def test_no_process_of_the_spare_runs_once_the_runtime_is_closed(
+    tmp_path: pathlib.Path,
+) -> None:
+    # QEMU runs under bubblewrap, whose processes die with their parent's death signal: the
+    # close must wait for them too, not only for the process it started. Five rounds, since
+    # that death is asynchronous.
+    for round_number in range(5):
+        m = vm_manager(tmp_path / str(round_number))
+        try:
+            await vm_launch(m)
+            spare = vm_pool()._spare
+            assert spare is not None
+            async with asyncio.timeout(60):
+                await asyncio.shield(spare.up)
+            assert host_pids_with(str(spare.run_dir))
+        finally:
+            await m.aclose()
+        assert host_pids_with(str(spare.run_dir)) == [], round_number
