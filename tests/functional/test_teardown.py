@@ -194,6 +194,22 @@ async def test_no_fd_or_memfd_leaks_over_many_executions(manager: SandboxManager
     assert not [fd for fd in after if "memfd:" in fd]
 
 
+async def test_a_process_killed_right_after_a_chdir_leaves_no_fd_behind(
+    manager: SandboxManager,
+) -> None:
+    # The supervisor notes a chdir until its thread's next call; a thread that dies first (here
+    # a shell that changes directory and kills itself) must not leave anything of it open.
+    handle = manager.launch(spec(), deny_create_globs=(".env",))
+    async with asyncio.timeout(HANG_GUARD_S * 3):
+        await run_collect(handle, ["/bin/true"])
+        before = open_fds()
+        for _ in range(5):
+            result = await run_collect(handle, [SH, "-c", "cd /tmp && kill -9 $$"])
+            assert result.exit_code == -9 or result.exit_code == 137, result
+        after = open_fds()
+    assert after == before
+
+
 @pytest.mark.parametrize("backend", [SandboxBackend.NATIVE, SandboxBackend.NONE])
 async def test_leaving_exec_early_kills_a_noisy_command_promptly(
     manager: SandboxManager, backend: SandboxBackend, marker: str

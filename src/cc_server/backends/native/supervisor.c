@@ -436,9 +436,6 @@ static void *worker(void *arg) {
 static void destroy(struct ccs *s) {
     for (int i = 0; i < atomic_load(&s->npending); i++)
         close(s->pending[i].status_fd);
-    for (int i = 0; i < atomic_load(&s->nfs_inflight); i++)
-        if (s->fs_inflight[i].pidfd >= 0)
-            close(s->fs_inflight[i].pidfd);
     if (s->stop_fd >= 0)
         close(s->stop_fd);
     if (s->proc_fd >= 0)

@@ -198,14 +198,13 @@ struct ccs {
     /* Calls that change a thread's cwd or root (chdir, fchdir; chroot, pivot_root, setns and
      * unshare too, which the sandbox's own filter refuses before they reach this one): each
      * bumps fs_gen, which makes every cached cwd and root stale, and stays in `fs_inflight`
-     * (under `lock`) until it has surely run: its thread makes another call or is gone. A cwd or
+     * (under `lock`) until it has surely run: its thread makes another call or is gone (no fd is held for it). A cwd or
      * root is cached only when none is in flight (see task_start_fd). */
     atomic_ullong fs_gen;
     atomic_int nfs_inflight;
     atomic_bool fs_cache_off; /* a change could not be tracked: cwd and root opened every call */
     struct fs_change {
-        pid_t tid;
-        int pidfd; /* -1: not known (then only its next call retires it) */
+        pid_t tid; /* retired at its next call, or once no thread has that id (thread_alive) */
     } fs_inflight[MAX_FS_INFLIGHT];
     atomic_ullong replies_here; /* opens answered with the task kept on the worker's CPU */
     bool sync_wake; /* SECCOMP_USER_NOTIF_FD_SYNC_WAKE_UP was accepted */

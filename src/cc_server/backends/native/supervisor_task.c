@@ -454,6 +454,19 @@ long keeper_of(struct ccs *s, pid_t tid) {
     return 0;
 }
 
+/* Whether thread `tid` may still be running (a tid reused since makes it look so: then only
+ * that thread's next call retires its entry; nothing is held open meanwhile). */
+static bool thread_alive(pid_t tid) {
+    int fd = (int)syscall(SYS_pidfd_open, tid, PIDFD_THREAD);
+    if (fd < 0 && errno == EINVAL)
+        fd = (int)syscall(SYS_pidfd_open, tid, 0);
+    if (fd >= 0) {
+        close(fd);
+        return true;
+    }
+    return errno != ESRCH;
+}
+
 /* Whether no cwd or root change is in flight (retiring those of threads that are gone), with
  * the generation then in `gen`. */
 static bool fs_stable(struct ccs *s, unsigned long long *gen) {
@@ -466,8 +479,7 @@ static bool fs_stable(struct ccs *s, unsigned long long *gen) {
     int n = atomic_load(&s->nfs_inflight);
     for (int i = 0; i < n;) {
         struct fs_change *c = &s->fs_inflight[i];
-        if (c->pidfd >= 0 && !task_alive(c->pidfd)) {
-            close(c->pidfd);
+        if (!thread_alive(c->tid)) {
             *c = s->fs_inflight[--n];
         } else {
             i++;
@@ -488,8 +500,6 @@ void fs_retire(struct ccs *s, pid_t tid) {
     for (int i = 0; i < n;) {
         struct fs_change *c = &s->fs_inflight[i];
         if (c->tid == tid) {
-            if (c->pidfd >= 0)
-                close(c->pidfd);
             *c = s->fs_inflight[--n];
         } else {
             i++;
@@ -503,22 +513,16 @@ void fs_retire(struct ccs *s, pid_t tid) {
  * now on, and none is filled until this call has surely run; let it run. */
 void fs_change(struct ccs *s, struct seccomp_notif *n) {
     pid_t tid = (pid_t)n->pid;
-    int pidfd = (int)syscall(SYS_pidfd_open, tid, PIDFD_THREAD);
-    if (pidfd < 0 && errno == EINVAL)
-        pidfd = (int)syscall(SYS_pidfd_open, tid, 0);
     pthread_mutex_lock(&s->lock);
     int k = atomic_load(&s->nfs_inflight);
     if (k < MAX_FS_INFLIGHT) {
-        s->fs_inflight[k] = (struct fs_change){.tid = tid, .pidfd = pidfd};
+        s->fs_inflight[k] = (struct fs_change){.tid = tid};
         atomic_store(&s->nfs_inflight, k + 1);
-        pidfd = -1;
     } else {
         atomic_store(&s->fs_cache_off, true);
     }
     atomic_fetch_add(&s->fs_gen, 1);
     pthread_mutex_unlock(&s->lock);
-    if (pidfd >= 0)
-        close(pidfd);
     respond_continue(s, n->id);
 }
 
