@@ -54,10 +54,23 @@ def _opened_without_symlinks(arg: PathFd) -> int:
     Raises:
         EnforcementFailed: a component is a symlink now, or is gone.
     """
+    parts = [p for p in arg.path.split("/") if p]
+    if not arg.path.startswith("/") or any(p in (".", "..") for p in parts):
+        raise EnforcementFailed(
+            f"the bind source {arg.path!r} is not a plain absolute path; the command was not run",
+            fix="this is a planner bug: report it",
+        )
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        for part in [p for p in arg.path.split("/") if p]:
-            step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        for part in parts:
+            try:
+                step = os.open(part, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise EnforcementFailed(
+                    f"the bind source {arg.path} cannot be opened ({part}: "
+                    f"{exc.strerror or exc}) since the policy was made; the command was not run",
+                    fix="put the directory back, or bind another one",
+                ) from exc
             os.close(fd)
             fd = step
             if stat.S_ISLNK(os.fstat(fd).st_mode):

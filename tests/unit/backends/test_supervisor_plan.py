@@ -21,7 +21,7 @@ from cc_server.backends import bubblewrap as bwrap_mod
 from cc_server.backends import supervisor as sup
 from cc_server.backends.bubblewrap import CreateRuleTools, plan_bubblewrap
 from cc_server.backends.fdpass import receive_fds
-from cc_server.backends.plan import Command, EgressBridge, FdArg, InheritedFd, LaunchPlan
+from cc_server.backends.plan import Command, EgressBridge, FdArg, InheritedFd, LaunchPlan, PathFd
 from cc_server.backends.runner import run_attached
 from cc_server.backends.supervisor import (
     GUEST_LAUNCHER,
@@ -171,6 +171,42 @@ def test_a_plan_with_an_unfilled_slot_is_refused_before_anything_runs(tmp_path: 
     with pytest.raises(EnforcementFailed, match=r"create-rules\.sock"):
         run_attached(plan)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("case", ["symlink-on-the-way", "symlink-at-the-end", "gone", "dotdot"])
+def test_a_bind_source_with_a_symlink_or_gone_is_refused_before_anything_runs(
+    tmp_path: Path, case: str
+) -> None:
+    marker = tmp_path / "ran"
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    source = {
+        "symlink-on-the-way": f"{tmp_path}/link/sub",
+        "symlink-at-the-end": f"{tmp_path}/link",
+        "gone": f"{tmp_path}/real/missing",
+        "dotdot": f"{tmp_path}/real/../link",
+    }[case]
+    plan = LaunchPlan(
+        backend=SandboxBackend.NATIVE,
+        argv=("/bin/sh", "-c", f"touch {marker}", PathFd(path=source)),
+        env=(),
+    )
+    with pytest.raises(EnforcementFailed, match="bind source"):
+        run_attached(plan)
+    assert not marker.exists()
+
+
+def test_a_bind_source_of_plain_directories_is_handed_over_as_an_fd(tmp_path: Path) -> None:
+    (tmp_path / "real" / "sub").mkdir(parents=True)
+    out = tmp_path / "out"
+    plan = LaunchPlan(
+        backend=SandboxBackend.NATIVE,
+        argv=("/bin/sh", "-c", f'readlink /proc/self/fd/"$0" > {out}',
+              PathFd(path=f"{tmp_path}/real/sub")),
+        env=(),
+    )  # fmt: skip
+    assert run_attached(plan) == 0
+    assert out.read_text().strip() == f"{tmp_path}/real/sub"
 
 
 # --- the report pipe ---------------------------------------------------------------------------
