@@ -12,7 +12,9 @@ import subprocess
 
 import pytest
 from escape_kit import Sandboxes, attempts, outcomes, output, unique
+from stamp_kit import past_the_tick, stampable
 
+from cc_server.backends import host_reads
 from cc_server.rundir import egress_base_dir
 from cc_server.runtime.handle import CollectedResult, SandboxHandle
 
@@ -65,6 +67,32 @@ async def test_a_secret_that_appears_in_a_bound_directory_is_masked_for_the_next
     assert outcomes(second) == {"read": "fail"}, output(second)
     assert str(netrc) in _sandbox_mounts(handle)  # masked in the sandbox that ran it
     assert marker in netrc.read_text()
+
+
+async def test_a_secret_that_appears_where_names_are_known_by_a_stamp_is_masked_next(
+    sb: Sandboxes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The names a plan asked in a directory are taken from its stamp (device, inode, ctime)
+    while that is the same; a secret made there (and one below a missing ancestor) is an entry
+    added, a new ctime."""
+    monkeypatch.setattr(host_reads, "STAMP_AGE_NS", 0)  # trusted at once (see past_the_tick)
+    handle = sb.launch(bindMounts=_bind_home(sb))
+    await _twice(sb, handle, "true")
+    past_the_tick(sb.home)
+    await sb.sh(handle, "true")
+    reading = handle._reading
+    assert reading is not None and (reading.reads.stamped > 0 or not stampable(sb.home))
+    netrc, keys = sb.home / ".netrc", sb.home / ".config" / "gh" / "hosts.yml"
+    marker = unique("CC-SECRET-STAMP")
+    netrc.write_text(f"machine example.com password {marker}\n")
+    keys.parent.mkdir(parents=True)
+    keys.write_text(f"oauth_token: {marker}\n")
+    result = await sb.sh(handle, attempts(netrc=f"grep -q {marker} {netrc}",
+                                          gh=f"grep -q {marker} {keys}"))
+    assert outcomes(result) == {"netrc": "fail", "gh": "fail"}, output(result)
+    mounts = _sandbox_mounts(handle)
+    assert str(netrc) in mounts and str(keys.parent) in mounts, mounts
+    assert marker in netrc.read_text() and marker in keys.read_text()
 
 
 async def test_a_protected_path_that_appears_is_read_only_for_the_next_command(

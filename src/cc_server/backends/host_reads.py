@@ -9,22 +9,38 @@ answers, and so make the same plan (the planner is deterministic); when one diff
 appeared, went, was replaced by a symlink or another inode, a mount changed what a path names, a
 listing or a file changed), the plan must be made again.
 
-No timestamp is trusted: the questions are asked again, not inferred from a directory's mtime, so
-two changes in one clock tick cannot hide one another. An answer is compared by what a planner can
-use of it: the errno of a failure, and of a stat its device, inode, mode, owner and group.
+Whether a name exists in a directory, and a directory's listing, are answered by the directory's
+device, inode and ctime where that is exact (`_stamp`): every entry added, removed or renamed in a
+directory sets its ctime to the time of the change, and nobody can set a ctime back but by setting
+the clock. The stamp is taken before the names are asked again, and trusted only for a directory
+of ext2/3/4 or XFS on a block device (its device number names that device) whose ctime is older
+than STAMP_AGE_NS then: a change after that stat is stamped later than that, whatever the clock's
+tick or the filesystem's granularity. Everything else is asked again. An answer is compared by
+what a planner can use of it: the errno of a failure, and of a stat its device, inode, mode,
+owner and group.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import stat
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 __all__ = ["HostReads"]
 
 _MISSING: Final = object()
+# A directory stamp (`_stamp`) is trusted only while its ctime was at least this old when it was
+# taken: more than any filesystem's timestamp granularity (1 s on ext4 with small inodes) and
+# clock tick, so a change made after the stamp cannot be stamped with the same time.
+STAMP_AGE_NS: Final = 2 * 10**9
+# statfs f_type of the filesystems whose directory ctime is known to follow every change of
+# their entries: ext2/3/4 and XFS.
+STAMPED_FS_TYPES: Final = frozenset({0xEF53, 0x58465342})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -35,6 +51,16 @@ class _Checks:
     missing: tuple[str, ...]
     lstats: tuple[tuple[str, tuple[int, int, int, int, int]], ...]
     others: tuple[tuple[str, str, int, object], ...]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Names:
+    """Names `hold` asks about in one directory (None: paths not in plain absolute form): those
+    that existed, and the shallowest missing ancestors of those that did not."""
+
+    directory: str | None
+    present: tuple[str, ...]
+    absent: tuple[str, ...]
 
 
 class HostReads:
@@ -50,13 +76,18 @@ class HostReads:
         self._realpath: dict[str, str] = {}
         self._absent: frozenset[str] | None = None  # hold's missing ancestors, once found
         self._checks: _Checks | None = None  # hold's questions, sorted with `_absent`
+        self._names: tuple[_Names, ...] = ()  # `_checks`' names by directory
+        # Directory -> its stamp when every name asked in it (or its listing) was last found
+        # the same, and the stamp could be trusted; forgotten with `_absent`.
+        self._stamps: dict[str, tuple[int, int, int]] = {}
+        self.stamped = 0  # directories whose names `hold` took from a stamp (for tests)
 
     def _ask(self, op: str, path: str, limit: int = -1) -> object:
         key = (op, path, limit)
         found = self._seen.get(key, _MISSING)
         if found is _MISSING:
             found = self._seen[key] = _read(op, path, limit)
-            self._absent = None
+            self._forget_sorted()
         if isinstance(found, OSError):
             raise OSError(found.errno, found.strerror, path)
         return found
@@ -99,7 +130,7 @@ class HostReads:
         found = self._seen.get(("lstat", path, -1), _MISSING)
         if found is _MISSING:
             found = self._seen.setdefault(("lexists", path, -1), _read("lexists", path, -1))
-            self._absent = None
+            self._forget_sorted()
         return not isinstance(found, OSError)
 
     def isdir(self, path: str) -> bool:
@@ -155,13 +186,19 @@ class HostReads:
             seen[newpath] = path
         return path, True
 
+    def _forget_sorted(self) -> None:
+        self._absent = None
+        self._stamps.clear()
+
     def hold(self) -> bool:
         """Whether every recorded read gets the same answer from the host now.
 
         A path that did not exist is asked about through its shallowest missing ancestor,
         found at the first `hold` (one question for `~/.config/gh`, `~/.config/op`, ... while
         `~/.config` is missing): a lookup that fails at an ancestor fails for every path below
-        it, so the answer stays the recorded one while the ancestor is missing."""
+        it, so the answer stays the recorded one while the ancestor is missing. The names asked
+        in one directory, and a listing, are not asked again while the directory's trusted
+        stamp is the same (see the module's docstring)."""
         exists = _exists_now()
         if exists is None:
             return all(_same(was, _read(op, path, limit))
@@ -173,10 +210,9 @@ class HostReads:
             if absent is None:
                 return False
             self._absent, self._checks = absent, checks
-        f_ok = os.F_OK
-        for path in checks.present:
-            if not exists(path, f_ok, follow_symlinks=False):
-                return False
+            self._names = _by_directory(checks.present, absent)
+        if not self._same_names(exists):
+            return False
         lstat = os.lstat
         for path, key in checks.lstats:
             try:
@@ -186,9 +222,59 @@ class HostReads:
             if (now.st_ino, now.st_dev, now.st_mode, now.st_uid, now.st_gid) != key:
                 return False
         for op, path, limit, was in checks.others:
-            if not _same(was, _read(op, path, limit)):
+            if op == "listdir" and not isinstance(was, OSError):
+                if not self._same_listing(path, was):
+                    return False
+            elif not _same(was, _read(op, path, limit)):
                 return False
-        return not any(exists(path, f_ok, follow_symlinks=False) for path in self._absent)
+        return True
+
+    def _same_names(self, exists: Callable[..., bool]) -> bool:
+        """Whether every name asked exists now as it did: a directory's names by its stamp
+        while that is trusted and the same, else each again (then the stamp taken before
+        them is kept when it can be trusted)."""
+        f_ok, stamps, time_ns, stat_now = os.F_OK, self._stamps, time.time_ns, os.stat
+        for names in self._names:
+            directory = names.directory
+            info: os.stat_result | None = None
+            if directory is not None:
+                asked_ns = time_ns()  # before the stamp: a change after it is stamped later
+                with contextlib.suppress(OSError):
+                    info = stat_now(directory)
+                if info is not None and stamps.get(directory) == (
+                        info.st_dev, info.st_ino, info.st_ctime_ns):
+                    self.stamped += 1
+                    continue
+            for path in names.present:
+                if not exists(path, f_ok, follow_symlinks=False):
+                    return False
+            for path in names.absent:
+                if exists(path, f_ok, follow_symlinks=False):
+                    return False
+            if directory is not None:
+                if info is not None and _stamp_trusted(directory, info, asked_ns):
+                    stamps[directory] = (info.st_dev, info.st_ino, info.st_ctime_ns)
+                else:
+                    stamps.pop(directory, None)
+        return True
+
+    def _same_listing(self, path: str, was: object) -> bool:
+        """Whether directory `path` still lists `was`: by its trusted stamp, else read again."""
+        now = time.time_ns()
+        try:
+            info = os.stat(path)
+        except OSError:
+            return False
+        key = (info.st_dev, info.st_ino, info.st_ctime_ns)
+        stamp_of = f"listdir\0{path}"  # not a path: never a names directory's key
+        if self._stamps.get(stamp_of) == key:
+            self.stamped += 1
+            return True
+        if not _same(was, _read("listdir", path, -1)):
+            return False
+        if _stamp_trusted(path, info, now):
+            self._stamps[stamp_of] = key
+        return True
 
     def _sorted(self) -> _Checks:
         """The recorded questions by how `hold` asks them again: a path that existed (`lexists`)
@@ -217,6 +303,53 @@ class HostReads:
     def questions(self) -> int:
         """How many questions `hold` asks again."""
         return len(self._seen)
+
+
+def _by_directory(present: Iterable[str], absent: Iterable[str]) -> tuple[_Names, ...]:
+    """The names by the directory they are looked up in; paths not in plain absolute form (and
+    `/`) on their own, asked every time."""
+    found: dict[str | None, tuple[list[str], list[str]]] = {}
+    for index, paths in enumerate((present, absent)):
+        for path in paths:
+            directory: str | None = os.path.dirname(path)
+            if (not path.startswith("/") or path.startswith("//") or directory == path
+                    or os.path.normpath(path) != path):
+                directory = None
+            found.setdefault(directory, ([], []))[index].append(path)
+    return tuple(_Names(directory=directory, present=tuple(p), absent=tuple(a))
+                 for directory, (p, a) in found.items())
+
+
+def _stamp_trusted(path: str, info: os.stat_result, now_ns: int) -> bool:
+    """Whether `info`, a stat of directory `path` made after `now_ns`, may stand for its entries
+    from now on: a directory on a block device of a STAMPED_FS_TYPES filesystem, its ctime
+    older than STAMP_AGE_NS at `now_ns`."""
+    return (
+        stat.S_ISDIR(info.st_mode)
+        and os.major(info.st_dev) != 0
+        and info.st_ctime_ns < now_ns - STAMP_AGE_NS
+        and _fs_type(path) in STAMPED_FS_TYPES
+    )
+
+
+def _fs_type(path: str) -> int | None:
+    """statfs(2)'s f_type for `path` (the first word of struct statfs), or None."""
+    import ctypes  # lazy: only when a stamp is about to be trusted
+
+    buffer = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on 64-bit Linux
+    try:
+        if _libc().statfs(os.fsencode(path), buffer) != 0:
+            return None
+    except (ValueError, AttributeError, OSError):  # a NUL in the path, no statfs in this libc
+        return None
+    return ctypes.c_ulong.from_buffer(buffer).value
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _absent_ancestors(paths: Iterable[str]) -> frozenset[str] | None:

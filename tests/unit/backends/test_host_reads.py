@@ -10,6 +10,7 @@ import pathlib
 
 import pytest
 from plan_kit import FAKE_BPF, TOOLS
+from stamp_kit import past_the_tick, stampable
 
 from cc_server.backends import bubblewrap as bwrap_mod
 from cc_server.backends import host_reads
@@ -69,13 +70,15 @@ CHANGES = {
 }
 
 
-@pytest.mark.parametrize("access", [True, False], ids=["by access", "real ids not effective"])
+@pytest.mark.parametrize("how", ["by access", "real ids not effective", "by stamp"])
 @pytest.mark.parametrize("change", sorted(CHANGES))
 def test_hold_sees_a_change_to_anything_it_was_asked(
-    tree: pathlib.Path, change: str, access: bool, monkeypatch: pytest.MonkeyPatch
+    tree: pathlib.Path, change: str, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    if not access:  # each question asked again as it was asked (access checks the real ids)
+    if how == "real ids not effective":  # each question asked again (access checks real ids)
         monkeypatch.setattr(host_reads, "_exists_now", lambda: None)
+    if how == "by stamp":  # every directory's stamp trusted at once, however new its ctime
+        monkeypatch.setattr(host_reads, "STAMP_AGE_NS", 0)
     reads = HostReads()
     for rel in PATHS:
         reads.realpath(f"{tree}/{rel}")
@@ -86,8 +89,43 @@ def test_hold_sees_a_change_to_anything_it_was_asked(
     reads.lexists(f"{tree}/d/missing/deeper")
     reads.listdir(str(tree))
     reads.read(f"{tree}/d/f")
+    past_the_tick(tree, tree / "d", tree / "d" / "e")
     assert reads.hold() and reads.hold()
+    if how == "by stamp":  # the names of tree and tree/d, and tree's listing, by their stamps
+        assert reads.stamped >= 3 or not stampable(tree), reads.stamped
     CHANGES[change](tree)
+    assert not reads.hold()
+
+
+NAME_CHANGES = {
+    "appears": lambda d: (d / "missing").mkdir(),
+    "appears as a symlink": lambda d: (d / "missing").symlink_to("nowhere"),
+    "appears below a missing one": lambda d: (d / "gone" / "deeper").mkdir(parents=True),
+    "goes": lambda d: (d / "here").unlink(),
+    "renamed away": lambda d: os.rename(d / "here", d / "there"),
+    "directory replaced": lambda d: (pathlib.Path(f"{d}.new", "missing").mkdir(parents=True),
+                                     os.rename(d, f"{d}.old"), os.rename(f"{d}.new", d)),
+}
+
+
+@pytest.mark.parametrize("change", sorted(NAME_CHANGES))
+def test_names_taken_from_a_directory_stamp_see_every_entry_change(
+    tmp_path: pathlib.Path, change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only names in one directory are asked (nothing else would see a change): `hold` takes
+    them from the directory's stamp, and each change of its entries is a change."""
+    monkeypatch.setattr(host_reads, "STAMP_AGE_NS", 0)  # trusted at once (see past_the_tick)
+    directory = tmp_path / "dir"
+    directory.mkdir()
+    (directory / "here").write_text("")
+    reads = HostReads()
+    assert reads.lexists(f"{directory}/here")
+    assert not reads.lexists(f"{directory}/missing")
+    assert not reads.lexists(f"{directory}/gone/deeper/deepest")
+    past_the_tick(directory)
+    assert reads.hold() and reads.hold()
+    assert reads.stamped == 1 or not stampable(directory)
+    NAME_CHANGES[change](directory)
     assert not reads.hold()
 
 
