@@ -37,10 +37,12 @@ class Upstream:
     """An origin server on loopback: answers each request h11 parses with `ok`, and records
     every byte each connection received and each request's target. `short`: the first
     connection's first response frames 2 bytes and sends a whole second response (`TAIL`)
-    after them, in the same write, or (`tail_later`) once `send_tail` is set."""
+    after them, in the same write, or (`tail_later`) once `send_tail` is set. `first`: the
+    first connection's first answer, as these raw bytes, after which it closes."""
 
     short: bool = False
     tail_later: bool = False
+    first: bytes = b""
     port: int = 0
     received: list[bytearray] = field(default_factory=list)
     targets: list[list[bytes]] = field(default_factory=list)
@@ -74,6 +76,11 @@ class Upstream:
         writer.close()
 
     async def _answer(self, writer: asyncio.StreamWriter, first: bool, target: bytes) -> None:
+        if self.first and first:
+            writer.write(self.first)
+            await writer.drain()
+            writer.close()
+            raise ConnectionResetError("closed after the first answer")
         if not (self.short and first):
             writer.write(ok(target))
         elif not self.tail_later:
@@ -300,5 +307,43 @@ async def test_a_response_longer_than_its_framing_never_answers_the_next_request
         assert await c.response() == (200, ok(b"/second").partition(b"\r\n\r\n")[2])
         await settle(lab)
     # The second request went to A on a new connection, never behind the tail on the first.
+    assert lab.a.targets == [[b"/first"], [b"/second"]]
+    assert lab.refusals == []
+
+
+async def test_a_response_shorter_than_its_content_length_is_never_completed_by_the_next() -> None:
+    # The body is cut short by the upstream's close: the client connection ends there, so the
+    # bytes of the next response (here the pipelined request's, to C) never complete it.
+    short = b"HTTP/1.1 200 OK\r\nContent-Length: 20\r\n\r\nok"
+    async with open_lab(Upstream(first=short)) as lab, client(lab) as c:
+        await c.send(get(lab.a, "/first") + get(lab.c, "/second"))
+        reply = await c.rest()
+        await settle(lab)
+    assert reply == short
+    assert lab.a.targets == [[b"/first"]]
+    assert lab.c.received == []  # the request after the cut one was never read
+    assert lab.refusals == []
+
+
+async def test_a_response_chunked_despite_its_content_length_is_passed_on_as_chunked() -> None:
+    # Transfer-Encoding wins over Content-Length (RFC 9112 section 6.3): the body is read as
+    # chunks, and the client gets it framed once, as chunked, never by the stale length.
+    both = b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nTransfer-Encoding: chunked\r\n\r\n"
+    both += b"2\r\nok\r\n0\r\n\r\n"
+    async with open_lab(Upstream(first=both)) as lab, client(lab) as c:
+        await c.send(get(lab.a, "/first"))
+        head = b""
+        while b"0\r\n\r\n" not in head:
+            chunk = await asyncio.wait_for(c.reader.read(65536), 30)
+            assert chunk, head
+            head += chunk
+        await c.send(get(lab.a, "/second"))
+        second = await c.response()
+        await settle(lab)
+    fields, _, body = head.partition(b"\r\n\r\n")
+    assert b"content-length" not in fields.lower(), head
+    assert b"transfer-encoding: chunked" in fields.lower(), head
+    assert body == b"2\r\nok\r\n0\r\n\r\n", head
+    assert second == (200, b"ok|/second")
     assert lab.a.targets == [[b"/first"], [b"/second"]]
     assert lab.refusals == []

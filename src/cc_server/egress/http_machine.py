@@ -17,15 +17,19 @@ the target, a request head over `MAX_HEADER_BYTES` or `MAX_HEADERS` (431), a hea
 line folding or a bare LF line end, or not starting with a method (400), transfer codings other
 than chunked (h11: 501), HTTP versions other than 1.0 and 1.1 (505).
 
-Both legs of a forward are h11 (`h11.Connection(h11.SERVER)` for the client,
-`h11.Connection(h11.CLIENT)` for the upstream), and nothing passes raw: each request is read as
-an h11 `Request` and body events, decided on its own (`CheckEgress`; a pipelined request is
-parsed only once the response before it has ended), and written again by h11 for the upstream
-in origin form; the response is read as h11 events and written again for the client. So each
-side gets exactly one framing, h11's: Content-Length or chunked (chunk extensions and trailers
-dropped), no body for HEAD, 204 and 304, 1xx passed on (a 101 is refused), and a response whose
-body ends at the upstream's EOF ends the client connection too (it says ``Connection: close``).
-A body h11 refuses (a bad chunk size or extension, a body cut short) ends the connection.
+Both legs of a forward are framed by h11 (`h11.Connection(h11.SERVER)` for the client's
+request, `h11.Connection(h11.CLIENT)` for the upstream's response, one of each per exchange):
+each request is read as an h11 `Request` and body events, decided on its own (`CheckEgress`; a
+pipelined request is parsed only once the response before it has ended), and written again by
+h11 for the upstream in origin form; the response head is read by h11. So each side gets
+exactly one framing, h11's: Content-Length or chunked (chunk extensions and trailers dropped),
+no body for HEAD, 204 and 304, 1xx passed on (a 101 is refused), and a response whose body ends
+at the upstream's EOF ends the client connection too (it says ``Connection: close``). A
+response framed by Content-Length alone (or with no body) for a client connection that stays
+open is written for the client as h11 would write it, and its body passed on as counted bytes:
+exactly the length the head says, never a byte more; an upstream that closes short of it ends
+the client connection. Every other response goes through h11 on both legs. A body h11 refuses
+(a bad chunk size or extension, a body cut short) ends the connection.
 
 An upstream is reused only for the next request decided for the same host and port (the
 driver also checks it has sent nothing since, `OpenUpstream.reuse`), and only if its last
@@ -141,8 +145,17 @@ class HttpProxyMachine(HandshakeMachine):
         self._up_idle = False  # its last response ended cleanly, nothing after: reusable
         self._reuse_offered = False
         self._method = b""  # of the request in EXCHANGE
+        self._keep = False  # its client connection stays open after it (HTTP/1.1, no close)
         self._started = False  # its response head was sent to the client
         self._eof_body = False  # its response body ends at the upstream's EOF
+        # A Content-Length response body passed on as counted bytes (no h11 events): the bytes
+        # still to pass, -1 when the response goes through h11; the chunk read and not passed
+        # yet; whether the upstream closed; whether it sent bytes past the body.
+        self._counted = -1
+        self._raw = b""
+        self._raw_eof = False
+        self._overrun = False
+        self._up_keep = False  # the upstream keeps its connection after this response
         self._to_upstream = bytearray()
         self._to_client = bytearray()
 
@@ -157,6 +170,10 @@ class HttpProxyMachine(HandshakeMachine):
         self._conn.receive_data(data)
 
     def _feed_upstream(self, data: bytes) -> None:
+        if self._counted >= 0:
+            self._raw = data
+            self._raw_eof = not data
+            return
         assert self._up is not None  # EXCHANGE has an upstream
         self._up.receive_data(data)
 
@@ -225,7 +242,11 @@ class HttpProxyMachine(HandshakeMachine):
             refused = _check_host_header(host_header, parsed)
             if refused is not None:
                 return refused
-        self._request = _upstream_request(request, parsed, fields, add_host=host_header is None)
+        tokens = _connection_tokens(fields)
+        self._keep = request.http_version == b"1.1" and b"close" not in tokens
+        self._request = _upstream_request(
+            request, parsed, fields, tokens, keep=self._keep, add_host=host_header is None
+        )
         self._target = (parsed.host.lower(), parsed.port)
         self._method = request.method
         return CheckEgress(host=parsed.host, port=parsed.port, kind="forward")
@@ -234,10 +255,7 @@ class HttpProxyMachine(HandshakeMachine):
         # Reused only for the very host and port it was dialled for, and only when its last
         # response ended cleanly with nothing after it.
         self._reuse_offered = (
-            not self._connect
-            and self._up is not None
-            and self._up_idle
-            and self._up_target == self._target
+            not self._connect and self._up_idle and self._up_target == self._target
         )
         return OpenUpstream(host=check.host, port=check.port, reuse=self._reuse_offered)
 
@@ -247,13 +265,16 @@ class HttpProxyMachine(HandshakeMachine):
         if reused and not self._reuse_offered:
             raise ProtocolError("driver bug: reused=True where OpenUpstream offered no reuse")
         if not reused:
-            self._up = h11.Connection(h11.CLIENT)
             self._up_target = self._target
-        assert self._up is not None and self._request is not None
+        # One h11 connection per exchange: a reused upstream's parser starts afresh, as after
+        # h11's start_next_cycle (which it could not do after a counted body it never saw).
+        self._up = h11.Connection(h11.CLIENT)
+        assert self._request is not None
         self._up_idle = False
         self._to_upstream += self._up.send(self._request)
         self._request = None
-        self._started = self._eof_body = False
+        self._started = self._eof_body = self._raw_eof = self._overrun = False
+        self._counted = -1
         self._state = State.EXCHANGE
         return b""
 
@@ -278,15 +299,51 @@ class HttpProxyMachine(HandshakeMachine):
         if self._to_upstream:
             data, self._to_upstream = bytes(self._to_upstream), bytearray()
             return SendUpstream(data=data)
-        try:
-            self._pass_response(conn, up)
-        except (h11.RemoteProtocolError, _UpstreamBroke) as exc:
-            reply = b"" if self._started else self._upstream_failed_reply(None, f"{exc}")
-            return CloseConnection(reply=bytes(self._to_client) + reply, reason=f"upstream: {exc}")
+        if self._counted < 0:
+            try:
+                self._pass_response(conn, up)
+            except (h11.RemoteProtocolError, _UpstreamBroke) as exc:
+                reply = b"" if self._started else self._upstream_failed_reply(None, f"{exc}")
+                return CloseConnection(
+                    reply=bytes(self._to_client) + reply, reason=f"upstream: {exc}"
+                )
+        if self._counted >= 0:
+            return self._pass_counted()
         if self._to_client:
             data, self._to_client = bytes(self._to_client), bytearray()
             return SendToClient(data=data)
         return self._after_response(conn, up)
+
+    def _pass_counted(self) -> Event:
+        """Pass on the next bytes of a counted body: exactly its Content-Length, never a byte
+        past it (an upstream that sends more is never read again)."""
+        raw, self._raw = self._raw, b""
+        if len(raw) > self._counted:
+            self._overrun = True
+            raw = raw[: self._counted]
+        self._counted -= len(raw)
+        if self._to_client:
+            self._to_client += raw
+            raw, self._to_client = bytes(self._to_client), bytearray()
+        if self._counted == 0:
+            self._counted = -1
+            return self._counted_done(raw)
+        if self._raw_eof:  # the upstream closed short of the body's end
+            return CloseConnection(
+                reply=raw, reason=f"upstream: the response ended {self._counted} bytes short"
+            )
+        return SendToClient(data=raw) if raw else NEED_UPSTREAM_DATA
+
+    def _counted_done(self, last: bytes) -> Event:
+        """A counted body has been passed on whole: its last bytes for the client, then the
+        client's next request, read only once the machine is asked again."""
+        self._up_idle = self._up_keep and not self._overrun and not self._raw_eof
+        self._up = None
+        assert self._conn is not None and self._keep  # a counted body is only a kept one's
+        self._conn = _next_cycle(self._conn)
+        self._state = State.READING
+        self._scan = True
+        return SendToClient(data=last) if last else self._parse()
 
     def _pass_response(self, conn: h11.Connection, up: h11.Connection) -> None:
         """Frame for the client what the upstream's response has sent so far."""
@@ -299,8 +356,9 @@ class HttpProxyMachine(HandshakeMachine):
             elif isinstance(event, h11.EndOfMessage):
                 self._to_client += conn.send(h11.EndOfMessage())
             elif isinstance(event, h11.Response):
-                self._to_client += conn.send(self._client_response(event))
                 self._started = True
+                if self._pass_head(conn, up, event):
+                    return  # its body is counted (`_pass_counted`)
             elif isinstance(event, h11.InformationalResponse) and event.status_code != 101:
                 headers = _hop_by_hop_dropped(_fields(event.headers))
                 self._to_client += conn.send(
@@ -311,21 +369,41 @@ class HttpProxyMachine(HandshakeMachine):
             else:  # ConnectionClosed (h11 raises for a response cut short), or a 101
                 raise _UpstreamBroke(f"the upstream sent {type(event).__name__} mid-response")
 
-    def _client_response(self, response: h11.Response) -> h11.Response:
+    def _pass_head(self, conn: h11.Connection, up: h11.Connection, response: h11.Response) -> bool:
+        """Write the response head for the client; whether its body is counted.
+
+        A body framed by Content-Length alone (or none: HEAD, 204, 304) for a client whose
+        connection stays open is counted (`_counted`): the head is written here, as h11 would
+        write it for this exchange, and the body's bytes pass as read, exactly as many as the
+        head says. Every other response goes through h11 on both legs (chunked, a body that
+        ends at the upstream's EOF, a request body still coming)."""
         fields = _fields(response.headers)
-        headers = _hop_by_hop_dropped(fields)
+        tokens = _connection_tokens(fields)
+        named = tokens - _KEPT_HEADERS
+        kept = [f for f in fields if f[0] not in _DROPPED_HEADERS and f[0] not in named]
+        length = _counted_length(self._method, response.status_code, kept)
+        if length >= 0 and self._keep and conn.their_state is h11.DONE:
+            self._to_client += _response_head(response, kept)
+            self._counted = length
+            self._up_keep = response.http_version == b"1.1" and b"close" not in tokens
+            self._raw, self._raw_eof = up.trailing_data
+            return True
+        headers = [(raw_name, value) for _, raw_name, value in kept]
         framed = any(name in (b"content-length", b"transfer-encoding") for name, _, _ in fields)
         if not framed and self._method != b"HEAD" and response.status_code not in (204, 304):
             # The body ends at the upstream's EOF: so does this client connection.
             self._eof_body = True
             headers.append((b"Connection", b"close"))
-        return h11.Response(  # `_parsed`: as in `_upstream_request`
-            status_code=response.status_code,
-            headers=headers,
-            reason=response.reason,
-            http_version=b"1.1",
-            _parsed=True,
+        self._to_client += conn.send(
+            h11.Response(  # `_parsed`: as in `_upstream_request`
+                status_code=response.status_code,
+                headers=headers,
+                reason=response.reason,
+                http_version=b"1.1",
+                _parsed=True,
+            )
         )
+        return False
 
     def _after_response(self, conn: h11.Connection, up: h11.Connection) -> Event:
         """Both legs said what they could: the next request, a read, or the end."""
@@ -336,10 +414,9 @@ class HttpProxyMachine(HandshakeMachine):
                 and not self._eof_body
                 and not up.trailing_data[0]  # bytes past the response: never a next one
             )
-            if self._up_idle:
-                up.start_next_cycle()
+            self._up = None
             if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-                conn.start_next_cycle()
+                self._conn = _next_cycle(conn)
                 self._state = State.READING
                 self._scan = True
                 return self._parse()
@@ -490,6 +567,45 @@ def _check_host_header(value: bytes, target: _Target) -> ProtocolRefused | None:
     return None
 
 
+def _next_cycle(conn: h11.Connection) -> h11.Connection:
+    """A client connection's parser for its next request: a new h11 connection holding the
+    bytes (and the EOF) the last one received past its request, as `start_next_cycle` would."""
+    fresh = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+    rest, closed = conn.trailing_data
+    if rest:
+        fresh.receive_data(rest)
+    if closed:
+        fresh.receive_data(b"")
+    return fresh
+
+
+def _counted_length(method: bytes, status: int, fields: list[_Field]) -> int:
+    """The body length of a response to pass on counted, or -1 if it goes through h11: its
+    framing is Content-Length alone, or none at all for HEAD, 204 and 304 (h11's rules, where
+    h11 would write the head unchanged: a HEAD response without Content-Length gets chunked
+    framing from h11)."""
+    length = -1
+    for name, _, value in fields:
+        if name == b"transfer-encoding":
+            return -1
+        if name == b"content-length":
+            length = int(value)  # h11 checked it: digits, one value
+    if status in (204, 304):
+        return 0
+    if method == b"HEAD":
+        return 0 if length >= 0 else -1
+    return length
+
+
+def _response_head(response: h11.Response, fields: list[_Field]) -> bytes:
+    """The head h11 writes for `response` with these fields (Host first, as h11 does)."""
+    lines = [b"HTTP/1.1 %d %s\r\n" % (response.status_code, response.reason)]
+    lines += [b"%s: %s\r\n" % (raw, value) for name, raw, value in fields if name == b"host"]
+    lines += [b"%s: %s\r\n" % (raw, value) for name, raw, value in fields if name != b"host"]
+    lines.append(b"\r\n")
+    return b"".join(lines)
+
+
 def _fields(headers: h11._headers.Headers) -> list[_Field]:
     return [(raw.lower(), raw, value) for raw, value in headers.raw_items()]
 
@@ -516,15 +632,20 @@ def _hop_by_hop_dropped(
 
 
 def _upstream_request(
-    request: h11.Request, target: _Target, fields: list[_Field], *, add_host: bool
+    request: h11.Request,
+    target: _Target,
+    fields: list[_Field],
+    tokens: set[bytes],
+    *,
+    keep: bool,
+    add_host: bool,
 ) -> h11.Request:
-    tokens = _connection_tokens(fields)
     headers = _hop_by_hop_dropped(fields, tokens)
     if add_host:
         host = f"[{target.host}]" if ":" in target.host else target.host
         value = host if target.port == 80 else f"{host}:{target.port}"
         headers.insert(0, (b"Host", value.encode()))
-    if b"close" in tokens or request.http_version == b"1.0":
+    if not keep:
         headers.append((b"Connection", b"close"))  # this client connection ends after it
     # `_parsed`: the fields are h11's own parse of the client's head (or ours, constant and
     # valid), so h11 need not match each against its grammar again; the framing checks run.
