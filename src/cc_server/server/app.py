@@ -183,15 +183,15 @@ async def serve(config: ServerConfig, *, ready: asyncio.Event | None = None) -> 
             log_event("error", f"cannot listen on {config.host}:{config.port}: {exc.strerror}",
                       level=logging.ERROR)
             return EXIT_FAILED
+        # What start-up made (modules, the app, the manager) lives as long as the server: kept
+        # out of the collector's full passes, which walked it every few hundred commands.
+        gc.collect()
+        gc.freeze()
         port = runner.addresses[0][1]
         scheme = "https" if config.tls else "http"
         host = f"[{config.host}]" if ":" in config.host else config.host
         log_event("listening", f"cc-server {__version__} listening on {scheme}://{host}:{port}",
                   url=f"{scheme}://{host}:{port}", port=port, pid=os.getpid())
-        # What start-up made (modules, the app, the manager) lives as long as the server: kept
-        # out of the collector's full passes, which walked it every few hundred commands.
-        gc.collect()
-        gc.freeze()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
