@@ -135,6 +135,7 @@ class HttpProxyMachine(HandshakeMachine):
             h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES
         )
         self._scan = True  # bytes came in since the buffered head was last scanned
+        self._empty = True  # the client's parser holds no byte and no EOF
         self._first = True  # no request was read on this connection yet
         self._connect = False
         self._request: h11.Request | None = None  # the decided request, for the upstream
@@ -156,6 +157,8 @@ class HttpProxyMachine(HandshakeMachine):
         self._raw_eof = False
         self._overrun = False
         self._up_keep = False  # the upstream keeps its connection after this response
+        self._up_fed = False  # the upstream's parser got bytes since it last needed data
+        self._ended = False  # the response ended this client connection (it is all sent)
         self._to_upstream = bytearray()
         self._to_client = bytearray()
 
@@ -167,6 +170,7 @@ class HttpProxyMachine(HandshakeMachine):
     def _feed(self, data: bytes) -> None:
         assert self._conn is not None  # fed only while READING or in EXCHANGE
         self._scan = True
+        self._empty = False
         self._conn.receive_data(data)
 
     def _feed_upstream(self, data: bytes) -> None:
@@ -175,6 +179,7 @@ class HttpProxyMachine(HandshakeMachine):
             self._raw_eof = not data
             return
         assert self._up is not None  # EXCHANGE has an upstream
+        self._up_fed = True
         self._up.receive_data(data)
 
     def _parse(self) -> NeedData | SendToClient | CheckEgress | ProtocolRefused | CloseConnection:
@@ -184,6 +189,8 @@ class HttpProxyMachine(HandshakeMachine):
             refused = _scan_head(self._conn.trailing_data[0])
             if refused is not None:
                 return refused
+        if self._empty:
+            return NEED_DATA  # what h11 says of an empty buffer, without asking it
         try:
             event = self._conn.next_event()
         except h11.RemoteProtocolError as exc:
@@ -273,12 +280,14 @@ class HttpProxyMachine(HandshakeMachine):
         self._up_idle = False
         self._to_upstream += self._up.send(self._request)
         self._request = None
-        self._started = self._eof_body = self._raw_eof = self._overrun = False
+        self._started = self._eof_body = self._raw_eof = self._overrun = self._up_fed = False
         self._counted = -1
         self._state = State.EXCHANGE
         return b""
 
     def _exchange(self) -> Event:
+        if self._ended:
+            return CloseConnection(reply=b"", reason="the response ended the connection")
         conn, up = self._conn, self._up
         assert conn is not None and up is not None  # EXCHANGE has both legs
         try:
@@ -336,20 +345,37 @@ class HttpProxyMachine(HandshakeMachine):
 
     def _counted_done(self, last: bytes) -> Event:
         """A counted body has been passed on whole: its last bytes for the client, then the
-        client's next request, read only once the machine is asked again."""
+        client's next request (read only once the machine is asked again), or the end."""
         self._up_idle = self._up_keep and not self._overrun and not self._raw_eof
         self._up = None
-        assert self._conn is not None and self._keep  # a counted body is only a kept one's
-        self._conn = _next_cycle(self._conn)
+        if not self._keep:
+            self._ended = True
+            return SendToClient(data=last) if last else self._exchange()
+        self._next_cycle()
+        return SendToClient(data=last) if last else self._parse()
+
+    def _next_cycle(self) -> None:
+        """Read the client's next request: a new h11 connection holding the bytes (and the
+        EOF) the last one received past its request, as h11's `start_next_cycle` would."""
+        assert self._conn is not None  # a forward's client leg
+        rest, closed = self._conn.trailing_data
+        self._conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        if rest:
+            self._conn.receive_data(rest)
+        if closed:
+            self._conn.receive_data(b"")
+        self._empty = not rest and not closed
         self._state = State.READING
         self._scan = True
-        return SendToClient(data=last) if last else self._parse()
 
     def _pass_response(self, conn: h11.Connection, up: h11.Connection) -> None:
         """Frame for the client what the upstream's response has sent so far."""
-        while up.their_state is h11.SEND_RESPONSE or up.their_state is h11.SEND_BODY:
+        while self._up_fed and (
+            up.their_state is h11.SEND_RESPONSE or up.their_state is h11.SEND_BODY
+        ):
             event = up.next_event()
             if event is h11.NEED_DATA:
+                self._up_fed = False
                 return
             if isinstance(event, h11.Data):
                 self._to_client += conn.send(event)
@@ -372,20 +398,24 @@ class HttpProxyMachine(HandshakeMachine):
     def _pass_head(self, conn: h11.Connection, up: h11.Connection, response: h11.Response) -> bool:
         """Write the response head for the client; whether its body is counted.
 
-        A body framed by Content-Length alone (or none: HEAD, 204, 304) for a client whose
-        connection stays open is counted (`_counted`): the head is written here, as h11 would
-        write it for this exchange, and the body's bytes pass as read, exactly as many as the
-        head says. Every other response goes through h11 on both legs (chunked, a body that
-        ends at the upstream's EOF, a request body still coming)."""
+        A body framed by Content-Length alone (or none: HEAD, 204, 304) once the request has
+        been read whole is counted (`_counted`): the head is written here, as h11 would write
+        it for this exchange (with ``Connection: close`` appended when the client's connection
+        ends after it), and the body's bytes pass as read, exactly as many as the head says.
+        Every other response goes through h11 on both legs (chunked, a body that ends at the
+        upstream's EOF, a request body still coming)."""
         fields = _fields(response.headers)
         tokens = _connection_tokens(fields)
         named = tokens - _KEPT_HEADERS
         kept = [f for f in fields if f[0] not in _DROPPED_HEADERS and f[0] not in named]
         length = _counted_length(self._method, response.status_code, kept)
-        if length >= 0 and self._keep and conn.their_state is h11.DONE:
-            self._to_client += _response_head(response, kept)
+        read = conn.their_state is h11.DONE or conn.their_state is h11.MUST_CLOSE
+        if length >= 0 and read:
+            self._to_client += _response_head(response, kept, close=not self._keep)
             self._counted = length
-            self._up_keep = response.http_version == b"1.1" and b"close" not in tokens
+            self._up_keep = (
+                self._keep and response.http_version == b"1.1" and b"close" not in tokens
+            )
             self._raw, self._raw_eof = up.trailing_data
             return True
         headers = [(raw_name, value) for _, raw_name, value in kept]
@@ -416,9 +446,7 @@ class HttpProxyMachine(HandshakeMachine):
             )
             self._up = None
             if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
-                self._conn = _next_cycle(conn)
-                self._state = State.READING
-                self._scan = True
+                self._next_cycle()
                 return self._parse()
             return CloseConnection(reply=b"", reason="the response ended the connection")
         wants_client = conn.their_state is h11.SEND_BODY
@@ -567,18 +595,6 @@ def _check_host_header(value: bytes, target: _Target) -> ProtocolRefused | None:
     return None
 
 
-def _next_cycle(conn: h11.Connection) -> h11.Connection:
-    """A client connection's parser for its next request: a new h11 connection holding the
-    bytes (and the EOF) the last one received past its request, as `start_next_cycle` would."""
-    fresh = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
-    rest, closed = conn.trailing_data
-    if rest:
-        fresh.receive_data(rest)
-    if closed:
-        fresh.receive_data(b"")
-    return fresh
-
-
 def _counted_length(method: bytes, status: int, fields: list[_Field]) -> int:
     """The body length of a response to pass on counted, or -1 if it goes through h11: its
     framing is Content-Length alone, or none at all for HEAD, 204 and 304 (h11's rules, where
@@ -597,12 +613,13 @@ def _counted_length(method: bytes, status: int, fields: list[_Field]) -> int:
     return length
 
 
-def _response_head(response: h11.Response, fields: list[_Field]) -> bytes:
-    """The head h11 writes for `response` with these fields (Host first, as h11 does)."""
+def _response_head(response: h11.Response, fields: list[_Field], *, close: bool) -> bytes:
+    """The head h11 writes for `response` with these fields (none of them Connection): Host
+    first, and ``Connection: close`` last when the client's connection ends after it."""
     lines = [b"HTTP/1.1 %d %s\r\n" % (response.status_code, response.reason)]
     lines += [b"%s: %s\r\n" % (raw, value) for name, raw, value in fields if name == b"host"]
     lines += [b"%s: %s\r\n" % (raw, value) for name, raw, value in fields if name != b"host"]
-    lines.append(b"\r\n")
+    lines.append(b"Connection: close\r\n\r\n" if close else b"\r\n")
     return b"".join(lines)
 
 
