@@ -11,7 +11,7 @@ import pathlib
 import subprocess
 
 import pytest
-from escape_kit import Sandboxes, run_attack
+from escape_kit import Sandboxes, output, run_attack
 from other_user import OtherUser
 from write_kit import refusals, tree_state
 
@@ -269,12 +269,17 @@ async def test_creates_follow_each_cwd_of_a_process_and_its_child(
 
 # name -> (path as the command spells it, from the worktree, path refused below the worktree):
 # an exclusive create of a protected name several directories down. The supervisor judges the
-# start directory's path joined with a path of plain names without opening the parent; a spelling
-# with ".", "..", an empty component or a symlink goes to the walk. Either way it is refused, once.
+# start directory's path joined with its names ("." and empty components dropped) without opening
+# the parent; a spelling with ".." or a symlink goes to the walk. Either way it is refused, once.
 SPELLED: dict[str, tuple[str, str]] = {
     "plain-names": ("a/b/c/.mcp.json", "a/b/c/.mcp.json"),
     "dot": ("a/./b/.mcp.json", "a/b/.mcp.json"),
     "double-slash": ("a//b/.mcp.json", "a/b/.mcp.json"),
+    "leading-dot": ("./a/b/.mcp.json", "a/b/.mcp.json"),
+    "dots-and-slashes": (".//a/.//b/./c/.bashrc", "a/b/c/.bashrc"),
+    "dot-into-hooks": ("repoA/.git/./hooks/pre-commit", "repoA/.git/hooks/pre-commit"),
+    "slashes-into-hooks": ("repoA//.git//hooks//pre-push", "repoA/.git/hooks/pre-push"),
+    "dot-gitmodules": ("./repoA/./.gitmodules", "repoA/.gitmodules"),
     "dot-dot": ("a/b/c/../.mcp.json", "a/b/.mcp.json"),
     "symlinked-dir": ("lnk/c/.mcp.json", "a/b/c/.mcp.json"),
     "other-case": ("a/b/.MCP.json", "a/b/.MCP.json"),
@@ -304,6 +309,42 @@ async def test_a_protected_name_deep_down_is_refused_however_spelled(
     assert "RESULT=refused [Errno 13]" in out, out
     assert tree_state(wt) == before, out
     assert refusals(handle) == [("file-write-create", f"{wt}/{rel}")], (refusals(handle), out)
+
+
+# A protectedPaths entry is matched on the whole judged string, not on a name: spelled with ".",
+# empty components or ".." from a start directory above it, it must be refused all the same,
+# existing or not ("a/../keep/x" reaches keep/x while staying beneath the start).
+PROTECTED_SPELLED = {
+    "dot-dot-new": (f"os.close(os.open('a/../keep/settings.json', {EXCL}))", "keep/settings.json"),
+    "dot-new": (f"os.close(os.open('./keep/./settings.json', {EXCL}))", "keep/settings.json"),
+    "slashes-new": (f"os.close(os.open('keep//settings.json', {EXCL}))", "keep/settings.json"),
+    "dot-dot-truncate": (
+        "os.close(os.open('a/b/../../held.txt', os.O_WRONLY | os.O_TRUNC))",
+        "held.txt",
+    ),
+    "dot-truncate": ("os.close(os.open('./held.txt', os.O_WRONLY | os.O_TRUNC))", "held.txt"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PROTECTED_SPELLED))
+async def test_a_protected_path_is_refused_however_spelled(sb: Sandboxes, name: str) -> None:
+    wt = sb.worktree
+    (wt / "a" / "b").mkdir(parents=True)
+    (wt / "keep").mkdir()
+    (wt / "held.txt").write_text("kept\n")
+    body, rel = PROTECTED_SPELLED[name]
+    handle = sb.launch(
+        bindMounts=[{"hostPath": str(wt)}],
+        protectedPaths=[str(wt / "keep" / "settings.json"), str(wt / "held.txt")],
+    )
+    before = tree_state(wt)
+    script = f"import os\nos.chdir({str(wt)!r})\ntry:\n    {body}\n    print('MADE')\n"
+    script += "except OSError as e:\n    print('REFUSED', e.errno)\n"
+    out = output(await sb.sh(handle, f"/usr/bin/python3 - <<'EOF'\n{script}EOF\n"))
+    assert "REFUSED 13" in out, out
+    assert tree_state(wt) == before, out
+    assert (wt / "held.txt").read_text() == "kept\n"
+    assert [t for _a, t in refusals(handle)] == [f"{wt}/{rel}"], (refusals(handle), out)
 
 
 # The same fast paths as an unprivileged user through the CLI: a protected name several

@@ -471,6 +471,8 @@ static void destroy(struct ccs *s) {
     for (int i = 0; i < s->nown_wt; i++)
         close(s->own_wt[i].fd);
     pthread_mutex_destroy(&s->wt_lock);
+    pthread_mutex_destroy(&s->mnt_lock);
+    free(s->mnt_ids);
     free(s->glob_blob);
     free(s->groups);
     free(s->threads);
@@ -514,6 +516,7 @@ struct ccs *ccs_start(int listener, int connector, int diag, const char *globs, 
     pthread_mutex_init(&s->diag_lock, NULL);
     pthread_mutex_init(&s->conn_lock, NULL);
     pthread_mutex_init(&s->wt_lock, NULL);
+    pthread_mutex_init(&s->mnt_lock, NULL);
     s->stop_fd = -1;
     s->proc_fd = -1;
     pthread_mutex_init(&s->recv_lock, NULL);

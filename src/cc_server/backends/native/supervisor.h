@@ -229,6 +229,12 @@ struct ccs {
         int fd; /* held open, so the inode (and its number) cannot be freed and reused */
     } own_wt[MAX_OWN_WORKTREES];
     int nown_wt;
+    /* The mounts of the sandbox's mount namespace (their ids, sorted), read once from the first
+     * judged call's task (own_mount); mnt_state 0: not read, 1: read, -1: could not be. */
+    pthread_mutex_t mnt_lock;
+    atomic_int mnt_state;
+    uint64_t *mnt_ids;
+    int nmnt_ids;
 };
 
 struct helper {

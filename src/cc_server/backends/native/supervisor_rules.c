@@ -248,16 +248,13 @@ static bool full_path_refused(const struct ccs *s, const char *full, const char 
 
 #define PATH_UNKNOWN "(the directory's path could not be read)"
 
-
 /*
- * The path of `fd` in the task's view, into `buf`: its link, checked against the task's own
- * root. A directory moved out of the task's bind by someone outside it (a second sandbox whose
- * bind holds this one's, the host) stays reachable through a cwd or a dirfd the task holds, but
- * its link then names it from its filesystem's root, a path that is not the task's; judged by
- * that string it would be below no writable root and nothing would be protected in it. So the
- * link is resolved again from the task's root (no symlink, no magic link, never above it) and
- * must name the very inode: else false, as for a path that cannot be read (the caller refuses).
- * The answer for one fd is kept for the rest of the call (`judging`).
+ * The path of `fd` in the task's view, into `buf`: its link, where that link is known to name it
+ * from the task's root (view_path_check); else false, as for a path that cannot be read (the
+ * caller refuses). A directory moved out of the task's bind by someone outside it (a second
+ * sandbox whose bind holds this one's, the host) stays reachable through a cwd or a dirfd the
+ * task holds; judged by its link it would be below no writable root and nothing would be
+ * protected in it. The answer for one fd is kept for the rest of the call (`judging`).
  */
 __thread struct req *judging;
 static __thread struct { bool known; dev_t dev; ino_t ino; char path[PATH_MAX]; } viewed;
@@ -282,12 +279,100 @@ bool view_path(int fd, char *buf, size_t size) {
     return false;
 }
 
+static int compare_ids(const void *a, const void *b) {
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Read the mount ids of the task's mount namespace (the first field of each mountinfo line)
+ * into s->mnt_ids, sorted. Returns 1, or -1 when they cannot be read (then every link is
+ * resolved again). */
+static int read_mount_ids(struct ccs *s, int proc_fd) {
+    enum { MAX_MOUNTS = 4096, MAX_BYTES = 1 << 20 };
+    int fd = proc_fd >= 0 ? openat(proc_fd, "mountinfo", O_RDONLY | O_CLOEXEC) : -1;
+    if (fd < 0)
+        return -1;
+    size_t cap = 16384, len = 0;
+    char *text = malloc(cap + 1);
+    uint64_t *ids = malloc(MAX_MOUNTS * sizeof *ids);
+    int n = 0, state = -1;
+    for (ssize_t got = 1; text && ids && got > 0;) {
+        if (len == cap) {
+            char *more = cap < MAX_BYTES ? realloc(text, cap * 2 + 1) : NULL;
+            if (!more)
+                goto out;
+            text = more;
+            cap *= 2;
+        }
+        got = read(fd, text + len, cap - len);
+        if (got < 0)
+            goto out;
+        len += (size_t)got;
+    }
+    if (!text || !ids)
+        goto out;
+    text[len] = '\0';
+    for (char *line = text; *line; n++) {
+        char *end;
+        unsigned long long id = strtoull(line, &end, 10);
+        if (end == line || *end != ' ' || n == MAX_MOUNTS)
+            goto out;
+        ids[n] = id;
+        char *nl = strchr(end, '\n');
+        if (!nl)
+            goto out;
+        line = nl + 1;
+    }
+    qsort(ids, (size_t)n, sizeof *ids, compare_ids);
+    s->mnt_ids = ids;
+    s->nmnt_ids = n;
+    ids = NULL;
+    state = 1;
+out:
+    close(fd);
+    free(text);
+    free(ids);
+    return state;
+}
+
+/* Whether the object `fd` is on a mount of the sandbox's own mount namespace, as it was when
+ * first asked (a mount that appears later is not in the set: its objects take the full check). */
+static bool own_mount(struct req *q, int fd) {
+    struct ccs *s = q->s;
+    if (atomic_load(&s->mnt_state) == 0) {
+        pthread_mutex_lock(&s->mnt_lock);
+        if (atomic_load(&s->mnt_state) == 0)
+            atomic_store(&s->mnt_state, read_mount_ids(s, q->proc_fd));
+        pthread_mutex_unlock(&s->mnt_lock);
+    }
+    if (atomic_load(&s->mnt_state) != 1)
+        return false;
+    struct statx sx;
+    if (statx(fd, "", AT_EMPTY_PATH, STATX_MNT_ID, &sx) < 0 || !(sx.stx_mask & STATX_MNT_ID))
+        return false;
+    uint64_t id = sx.stx_mnt_id;
+    return bsearch(&id, s->mnt_ids, (size_t)s->nmnt_ids, sizeof id, compare_ids) != NULL;
+}
+
+/*
+ * How a link is known to name its object in the task's view. The kernel builds it by walking the
+ * object's dentries up through its mounts to the root of the mount namespace they are in, so
+ * for an object on a mount of the sandbox's namespace the link is its path from the task's root
+ * (the sandbox's filter refuses chroot, mounts and namespace changes, so that root and those
+ * mounts stay what they were). A dentry moved out from under its mount's root (by a second
+ * sandbox or the host, through a bind that holds this one's) reads "/" (the kernel's "escaped"
+ * case), and an object on a mount of another namespace (an fd passed in by another sandbox) is
+ * not on one of the sandbox's mounts: for those two, and for any mount that appeared after the
+ * first call, the link is resolved again from the task's root and must name the very inode.
+ */
 static bool view_path_check(int fd, char *buf, size_t size) {
     if (!fd_path(fd, buf, size))
         return false;
     struct req *q = judging;
     if (q == NULL)
         return false; /* not inside a call: nothing to check it against */
+    if (buf[1] != '\0' && own_mount(q, fd))
+        return true;
     struct stat a, b;
     if (fstat(fd, &a) != 0)
         return false;
@@ -633,22 +718,32 @@ bool path_refused(const struct ccs *s, int dir_fd, const char *name, const char 
              own_worktree((struct ccs *)s, dir_fd));
 }
 
-/* Whether the path rules clear `rel` (a path of plain names: no "." or "..", no empty component)
- * from the directory `start` without pinning its parent: what open_beneath asks before it opens
- * `rel` with one openat2 that follows no symlink and no magic link and stays beneath `start`.
- * Such an openat2 reaches exactly the names in `rel`, so the path it opens is the start's path
- * (read from its fd, never the task's string) joined with `rel`, as a pinned parent's path joined
- * with the name would be: the same rules decide it, on the same kind of string. Only what the
- * strings settle is cleared here: a name whose rule looks at the directory it is in (a git
- * control name, HEAD, objects, refs, a worktree's own files) or a path through hooks/, modules/
- * or worktrees/ (their rules walk up the directories) returns false, and so does a refusal: the
- * caller then takes the pinned parent, which decides (and reports) as before. */
-static bool plain_relative(const char *rel) {
+/* Whether the path rules clear `rel` (names, "." and empty components, never "..") from the
+ * directory `start` without pinning its parent: what open_beneath asks before it opens `rel`
+ * with one openat2 that follows no symlink and no magic link and stays beneath `start`. Such an
+ * openat2 reaches exactly the names in `rel` ("." and an empty component stay where they are), so
+ * the path it opens is the start's path (read from its fd, never the task's string) joined with
+ * those names, as a pinned parent's path joined with the name would be: the same rules decide it,
+ * on the same kind of string. Only what the strings settle is cleared here: a name whose rule
+ * looks at the directory it is in (a git control name, HEAD, objects, refs, a worktree's own
+ * files) or a path through hooks/, modules/ or worktrees/ (their rules walk up the directories)
+ * returns false, and so does a refusal: the caller then takes the pinned parent, which decides
+ * (and reports) as before. */
+static bool join_names(char *out, size_t n, size_t size, const char *rel) {
     for (const char *at = rel;;) {
         const char *end = strchr(at, '/');
-        size_t n = end ? (size_t)(end - at) : strlen(at);
-        if (n == 0 || (n == 1 && at[0] == '.') || (n == 2 && at[0] == '.' && at[1] == '.'))
+        size_t k = end ? (size_t)(end - at) : strlen(at);
+        if (k == 2 && at[0] == '.' && at[1] == '.')
             return false;
+        if (k > 0 && !(k == 1 && at[0] == '.')) {
+            if (n + 1 + k >= size)
+                return false; /* longer than a path can be: the walk answers */
+            if (n > 1)
+                out[n++] = '/';
+            memcpy(out + n, at, k);
+            n += k;
+            out[n] = '\0';
+        }
         if (!end)
             return true;
         at = end + 1;
@@ -663,14 +758,9 @@ bool lexically_clear(const struct ccs *s, int start, const char *rel, const char
     for (int i = 0; dir_names[i]; i++)
         if (strcasecmp(name, dir_names[i]) == 0)
             return false;
-    if (!plain_relative(rel) || !view_path(start, judged, PATH_MAX))
+    if (!view_path(start, judged, PATH_MAX) ||
+        !join_names(judged, strlen(judged), sizeof judged, rel))
         return false;
-    size_t n = strlen(judged), k = strlen(rel);
-    if (n + 1 + k >= sizeof judged)
-        return false; /* longer than a path can be: the walk answers */
-    if (n > 1)
-        judged[n++] = '/';
-    memcpy(judged + n, rel, k + 1);
     if (strcasestr(judged, "/hooks/") || strcasestr(judged, "/modules/") ||
         strcasestr(judged, "/worktrees/"))
         return false;
