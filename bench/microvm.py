@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from cc_server.backends.probe import probe
-from cc_server.microvm.handle import MicroVMHandle
+from cc_server.microvm.handle import STATE_FILE, MicroVMHandle
 from cc_server.microvm.pool import VmPool
 from cc_server.microvm.runtime import MicroVMRuntime, probe_runtime
 from cc_server.policy import HostFacts, SandboxBackend, parse_spec
@@ -95,9 +95,10 @@ def smaps(pid: int) -> tuple[float, float]:
 
 def print_phases(phases: list[dict[str, float]], cpu: list[float], spares: int) -> None:
     """The restores' own timers (ms since each began: QEMU up or a spare taken, the state sent,
-    the agent's answers) and QEMU's host CPU from its start to warm."""
-    for name in ("start", "load", "greet"):
-        print(f"  phase {name:<5} (ms from start): {fmt([p[name] for p in phases])}")
+    the agent's answers, a resume's thaw) and QEMU's host CPU from its start to warm."""
+    for name in ("start", "load", "greet", "thaw"):
+        if all(name in p for p in phases):
+            print(f"  phase {name:<5} (ms from start): {fmt([p[name] for p in phases])}")
     print(f"  QEMU CPU, its start to warm: {fmt(cpu)}  ({spares} of {len(phases)} from a spare)")
 
 
@@ -221,10 +222,13 @@ async def main(args: argparse.Namespace) -> int:
         resume_phases: list[dict[str, float]] = []
         resume_cpu: list[float] = []
         resume_spares = 0
+        state_kib: list[float] = []
         for _ in range(args.resumes):
             started = time.perf_counter()
             await handle.suspend()
             suspend.append((time.perf_counter() - started) * 1000)
+            assert handle.run_dir is not None
+            state_kib.append((handle.run_dir / STATE_FILE).stat().st_size / 1024)
             started = time.perf_counter()
             await handle.resume()
             resume.append((time.perf_counter() - started) * 1000)
@@ -234,7 +238,7 @@ async def main(args: argparse.Namespace) -> int:
             resume_cpu.append(cpu_ms(handle.qemu_pid))
         assert handle.qemu_pid is not None
         resumed_rss, resumed_pss = smaps(handle.qemu_pid)
-        print(f"suspend to disk            : {fmt(suspend)}")
+        print(f"suspend to disk            : {fmt(suspend)}  (state file {fmt(state_kib, 'KiB')})")
         print(f"resume to warm             : {fmt(resume)}  target <= {TARGET_RESUME_MS:.0f} ms"
               f"  ({statistics.median(resume) / cold_ms:.3f} x cold boot)")
         print(f"  resumed VM memory        : RSS {resumed_rss:.1f} MiB, PSS {resumed_pss:.1f} MiB")

@@ -20,6 +20,7 @@ import pytest
 from microvm_kit import (
     alive,
     events_of,
+    host_facts,
     launch,
     launch_with_carve_out,
     manager,
@@ -29,14 +30,16 @@ from microvm_kit import (
 )
 from server_kit import host_pids_with, kill_marked, running_server, wait_until_gone
 
+from cc_server.backends.probe import probe
 from cc_server.errors import BackendUnavailable, Closed, EnforcementFailed
 from cc_server.microvm.handle import STATE_FILE
 from cc_server.microvm.image import default_cache_dir
 from cc_server.microvm.pool import VmPool
-from cc_server.microvm.runtime import remove_stale_vm_dirs
+from cc_server.microvm.runtime import MicroVMRuntime, remove_stale_vm_dirs
 from cc_server.policy import SandboxBackend, parse_spec
 from cc_server.runtime.events import SandboxState
 from cc_server.runtime.handle import run_collect
+from cc_server.runtime.port import SandboxManager
 from cc_server.terminal.service import TerminalSessionService
 
 pytestmark = [pytest.mark.integration]
@@ -424,6 +427,37 @@ async def test_a_changed_snapshot_is_not_restored(
     with open(rebuilt.ram, "rb") as ram:
         ram.seek(1 << 20)
         assert ram.read(64) != b"\x90" * 64
+
+
+async def test_a_suspended_vm_is_not_resumed_over_a_changed_snapshot(
+    tmp_path: pathlib.Path,
+) -> None:
+    # A suspended state is a delta against the template's RAM file: over another file's pages
+    # it would be another machine. The resume fails closed instead, and leaves nothing behind.
+    shared = shared_runtime()
+    assert shared.pool is not None
+    pool = VmPool(qemu=shared.pool.qemu, image=shared.pool.image, config=shared.pool.config,
+                  cache_dir=tmp_path / "cache", bwrap=shared.pool.bwrap,
+                  identity=shared.pool.identity)  # its own snapshot: the shared one stays
+    m = SandboxManager(probe_result=probe(), host=host_facts(tmp_path),
+                       microvm=MicroVMRuntime(probe=shared.probe, pool=pool,
+                                              run_base=shared.run_base))
+    try:
+        handle = await launch(m)
+        await handle.suspend()
+        state_dir = handle.run_dir
+        assert state_dir is not None and (state_dir / STATE_FILE).exists()
+        template = await pool.template()
+        with open(template.ram, "r+b") as ram:  # rebuilt, or written by a compromised QEMU
+            ram.seek(1 << 20)
+            ram.write(b"\x90" * 64)
+        with pytest.raises(EnforcementFailed, match="changed after the suspend"):
+            await handle.resume()
+        assert handle.state is SandboxState.ERROR
+        assert not state_dir.exists() and host_pids_with(str(state_dir)) == []
+    finally:
+        await m.aclose()
+        await pool.aclose()
 
 
 async def test_server_suspends_and_resumes(tmp_path: pathlib.Path) -> None:

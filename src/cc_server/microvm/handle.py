@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ from cc_server.microvm.link import (
     Request,
 )
 from cc_server.microvm.mounts import GuestMount, MountPlan
-from cc_server.microvm.pool import Vm, VmPool
+from cc_server.microvm.pool import SavedState, Vm, VmPool
 from cc_server.microvm.proto import ExecFlags, Frame, FrameType, exec_payload, mount_payload
 from cc_server.policy import CompiledPolicy
 from cc_server.runtime.child import KILL_GRACE_S, Emit
@@ -102,6 +103,7 @@ class MicroVMHandle(SandboxHandle):
     _link: AgentLink | None = field(default=None, repr=False)
     _run_dir: Path | None = field(default=None, repr=False)
     _start_task: asyncio.Task[None] | None = field(default=None, repr=False)
+    _saved: SavedState | None = field(default=None, repr=False)  # while suspended
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     _children: dict[Execution, VmChild] = field(default_factory=dict, repr=False)
 
@@ -305,7 +307,7 @@ class MicroVMHandle(SandboxHandle):
             try:
                 await self._detach_mounts()
                 try:
-                    await self.pool.suspend(self._vm, self._run_dir / STATE_FILE)
+                    self._saved = await self.pool.suspend(self._vm, self._run_dir / STATE_FILE)
                 except BaseException as exc:
                     await self._put_back_mounts()
                     if not isinstance(exc, CcServerError):
@@ -333,26 +335,29 @@ class MicroVMHandle(SandboxHandle):
         async with self._lock:
             if self.state is not SandboxState.SUSPENDED:
                 return
-            assert self._link is not None and self._run_dir is not None
+            assert self._link is not None and self._saved is not None
             assert self.pool is not None and self.mount_plan is not None
-            state = self._run_dir / STATE_FILE
             try:
                 self._vm, replies = await self.pool.resume(
-                    self.mount_plan.shares, self._link, state, self._mount_requests(),
+                    self.mount_plan.shares, self._link, self._saved, self._mount_requests(),
                 )
                 self._check_mounts(replies)
                 # Thawed only once every mount is known to be back: the agent takes a batch in
                 # order, so a thaw sent behind the mounts would let the commands run with a
                 # carve-out off until the VM is ended.
+                thaw_from = time.perf_counter()
                 reply = await self._link.request(FrameType.THAW, b"", FrameType.RESULT)
                 _check_result(reply, "thaw its commands", fix="see the VM's console log")
+                self._vm.phases["thaw"] = self._vm.phases["greet"] + (
+                    time.perf_counter() - thaw_from) * 1000
             except BaseException as exc:  # cancelled included: never a VM left behind
                 await self._fail_closed(exc)
                 raise
             # The VM runs in a directory of its own now: the one with the state goes, in a
-            # thread (freeing a ~60 MB file takes milliseconds; a killed server's is removed
+            # thread (freeing a large file takes milliseconds; a killed server's is removed
             # at the next boot, remove_stale_vm_dirs).
-            suspended_dir, self._run_dir = self._run_dir, self._vm.run_dir
+            suspended_dir, self._run_dir = self._saved.path.parent, self._vm.run_dir
+            self._saved = None
             start_task(asyncio.to_thread(shutil.rmtree, suspended_dir, ignore_errors=True),
                        name=f"microvm remove suspended state {self.session_id}")
             self.details["runDir"] = str(self._run_dir)

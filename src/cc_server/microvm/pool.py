@@ -7,9 +7,10 @@ Every session's VM is a new QEMU that maps that RAM file copy-on-write (`share=o
 never changes, the page cache of its pages is shared by every VM) and loads the small state:
 tens of milliseconds instead of seconds, with the session's own mounts in the slots.
 
-Suspending a session's VM saves its whole state (its RAM is private, so all of it) to a file in
-the session's private directory and ends QEMU; resuming loads that file into a new QEMU. Nothing
-else of a suspended VM stays in memory.
+Suspending a session's VM saves its state to a file in the session's private directory and
+ends QEMU: QEMU writes every page, and the file is then cut to the pages that differ from the
+template's (microvm.delta), so a resume is a restore too: the template mapped copy-on-write,
+and only the session's own pages loaded. Nothing else of a suspended VM stays in memory.
 
 A spare QEMU (one per pool) waits with `-incoming defer` for the next restore or resume: started
 after each one with the same RAM and shares, taken only by one whose QEMU would be given exactly
@@ -29,7 +30,7 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -38,6 +39,7 @@ from cc_server.backends.mount_view import bound_as_on_host
 from cc_server.backends.plan import FdArg, SandboxIdentity
 from cc_server.backends.seccomp import filter_bpf
 from cc_server.errors import CcServerError, EnforcementFailed
+from cc_server.microvm.delta import DeltaRefused, write_delta
 from cc_server.microvm.image import PRUNE_AFTER_S, GuestImage, touch
 from cc_server.microvm.link import VM_DIR_PREFIX, AgentLink, Request, hello_request, private_dir
 from cc_server.microvm.proto import Frame
@@ -53,7 +55,7 @@ from cc_server.microvm.vm import (
 from cc_server.rundir import egress_base_dir, names_of_dead_owners
 from cc_server.tasks import start_task
 
-__all__ = ["BOOT_TIMEOUT_S", "SpareKey", "Template", "Vm", "VmPool"]
+__all__ = ["BOOT_TIMEOUT_S", "SavedState", "SpareKey", "Template", "Vm", "VmPool"]
 
 log = logging.getLogger("cc_server.microvm")
 SPARE_END_TIMEOUT_S: Final = 5.0  # a SIGKILLed process's end; milliseconds normally
@@ -71,6 +73,24 @@ class Template:
     directory: Path
     ram: Path
     state: Path
+
+
+FileId = tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+
+def _file_id(path: Path) -> FileId:
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SavedState:
+    """A suspended VM's state file. `base`: the template RAM file it is a delta of, and that
+    file's identity at the suspend (a resume maps it); None: a full state (every page)."""
+
+    path: Path
+    base: Path | None = None
+    base_id: FileId | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -392,19 +412,33 @@ class VmPool:
         self,
         shares: Sequence[Share | None],
         link: AgentLink,
-        state: Path,
+        saved: SavedState,
         then: Sequence[Request] = (),
     ) -> tuple[Vm, list[Frame]]:
-        """A suspended VM back from its full state file, in a new directory (see `restore`).
+        """A suspended VM back from its state file, in a new directory (see `restore`).
 
         Raises:
-            EnforcementFailed: QEMU did not start or the state did not load.
+            EnforcementFailed: QEMU did not start, the state did not load, or the template it
+                is a delta of is not the file it was at the suspend.
         """
-        # Anonymous RAM: the state file carries every page the guest used, and the pages it
-        # never touched stay unallocated (mapping the template here instead would copy-on-write
-        # every page the stream writes, and read the rest into the page cache).
-        return await self._incoming(SpareKey(ram=None, shares=tuple(shares)), link, state,
-                                    False, then)
+        if saved.base is None:
+            # Anonymous RAM: the state file carries every page the guest used.
+            return await self._incoming(SpareKey(ram=None, shares=tuple(shares)), link,
+                                        saved.path, False, then)
+        template = await self.template()
+        try:
+            same = saved.base == template.ram and _file_id(template.ram) == saved.base_id
+        except OSError:
+            same = False
+        if not same:
+            raise EnforcementFailed(
+                "the microVM snapshot this suspended VM's state is a delta of changed after "
+                "the suspend; the VM cannot be resumed",
+                fix="destroy the sandbox and launch a new one",
+            )
+        # The template mapped as for a restore (the spare serves both), the delta loaded over it.
+        return await self._incoming(SpareKey(ram=template.ram, shares=tuple(shares)), link,
+                                    saved.path, False, then)
 
     async def _incoming(
         self,
@@ -511,8 +545,9 @@ class VmPool:
         if spare is not None:
             await spare.discard()
 
-    async def suspend(self, vm: Vm, state: Path) -> None:
-        """Save `vm` whole to `state` and end its QEMU.
+    async def suspend(self, vm: Vm, state: Path) -> SavedState:
+        """Save `vm` to `state`, end its QEMU, and cut the file to a delta against the template
+        (kept whole when the stream is not one microvm.delta rewrites).
 
         Raises:
             EnforcementFailed: QEMU refused to save it (the VM keeps running).
@@ -531,6 +566,26 @@ class VmPool:
             raise
         os.close(fd)
         await vm.qemu.quit()
+        template = await self.template()
+        try:
+            base_id = _file_id(template.ram)
+            await _in_thread(write_delta, state, state, template.ram)
+        except (DeltaRefused, OSError) as exc:
+            log.warning("microVM state %s kept whole (not cut to a delta): %s", state, exc)
+            return SavedState(path=state)
+        return SavedState(path=state, base=template.ram, base_id=base_id)
+
+
+async def _in_thread(func: Callable[..., int], *args: object) -> int:
+    """`func(*args)` in a thread, waited for even when cancelled (it writes a file in the VM's
+    directory: a teardown that removed it meanwhile could leave its last write behind)."""
+    job = start_task(asyncio.to_thread(func, *args), name="microvm state delta")
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await job
+        raise
 
 
 def _descendant_chain(root: int) -> list[int]:
