@@ -185,6 +185,10 @@ def _rewrite(stream: mmap.mmap, template: mmap.mmap) -> tuple[list[bytes], int]:
             raise DeltaRefused("another iterable section, or a RAM section that did not end")
         tail_at = kind_at
         break
+    if len(ram) != blocks[RAM_BLOCK] // PAGE:
+        # A page the stream never sent would be the template's over the delta, but whatever the
+        # destination had over the whole stream.
+        raise DeltaRefused("the stream did not send every page of the guest RAM")
 
     zero_page = bytes(PAGE)
     out: list[bytes] = [bytes(stream[:head_end]), start_header, mem_size]

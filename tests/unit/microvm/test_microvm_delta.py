@@ -130,7 +130,7 @@ def test_the_delta_over_the_template_loads_the_same_ram_as_the_whole_stream(
     assert delta.count(page(0xEE)) == 2 and page(0x56) in delta and page(0x55) not in delta
 
 
-def test_a_template_page_differing_everywhere_keeps_every_page(tmp_path: pathlib.Path) -> None:
+def test_a_template_differing_everywhere_keeps_every_page(tmp_path: pathlib.Path) -> None:
     data = stream((0x03, [("mem0", i, DATA, page(7)) for i in range(RAM_PAGES)]))
     template = page(8) * RAM_PAGES
     over = bytearray(template)
@@ -138,25 +138,33 @@ def test_a_template_page_differing_everywhere_keeps_every_page(tmp_path: pathlib
     assert over == page(7) * RAM_PAGES
 
 
+FIRST_PASS = (0x02, [("mem0", i, DATA, page(1)) for i in range(RAM_PAGES)])
+
+
 @pytest.mark.parametrize(
-    "data",
+    ("data", "reason"),
     [
-        pytest.param(stream((0x02, [("mem0", 0, DATA, page(1))])), id="no-end-section"),
-        pytest.param(stream((0x03, [("mem0", 0, 0x40, b"\x01\x00\x00")])), id="xbzrle-page"),
-        pytest.param(stream((0x03, [("mem0", RAM_PAGES, DATA, page(1))])), id="page-past-block"),
-        pytest.param(stream((0x03, [("other", 0, DATA, page(1))])), id="unknown-block"),
+        pytest.param(stream(FIRST_PASS), "did not end", id="no-end-section"),
+        pytest.param(stream((0x03, FIRST_PASS[1][1:])), "every page", id="a-page-never-sent"),
+        pytest.param(stream(FIRST_PASS, (0x03, [("mem0", 0, 0x40, b"\x01\x00\x00")])),
+                     "flags 0x40", id="xbzrle-page"),
+        pytest.param(stream(FIRST_PASS, (0x03, [("mem0", RAM_PAGES, DATA, page(1))])),
+                     "outside the known blocks", id="page-past-block"),
+        pytest.param(stream(FIRST_PASS, (0x03, [("other", 0, DATA, page(1))])),
+                     "outside the known blocks", id="unknown-block"),
         pytest.param(stream((0x03, []), blocks={"mem0": 2 * RAM_PAGES * PAGE}),
-                     id="ram-not-the-templates-size"),
+                     "template's size", id="ram-not-the-templates-size"),
         pytest.param(stream((0x03, []), start=b"\x01" + be32(SECTION) + idstr("block")
-                            + be32(0) + be32(1)), id="another-iterable-first"),
-        pytest.param(stream((0x03, []), tail=b"\x01" + be32(3) + idstr("dirty-bitmap")),
-                     id="another-iterable-after"),
-        pytest.param(stream((0x03, [("mem0", 0, DATA, page(1))]))[:-len(TAIL) - 100],
+                            + be32(0) + be32(1)), "not RAM", id="another-iterable-first"),
+        pytest.param(stream(FIRST_PASS, (0x03, []), tail=b"\x01" + be32(3) + idstr("dirty")),
+                     "another iterable section", id="another-iterable-after"),
+        pytest.param(stream(FIRST_PASS, (0x03, []))[:-len(TAIL) - 100], "ends early",
                      id="cut-short"),
-        pytest.param(b"QEVM" + be32(2), id="old-version"),
+        pytest.param(b"QEVM" + be32(2), "version 3", id="old-version"),
     ],
 )
-def test_a_stream_of_another_form_is_refused(tmp_path: pathlib.Path, data: bytes) -> None:
-    with pytest.raises(DeltaRefused):
+def test_a_stream_of_another_form_is_refused(tmp_path: pathlib.Path, data: bytes,
+                                             reason: str) -> None:
+    with pytest.raises(DeltaRefused, match=reason):
         cut(tmp_path, data, page(0) * RAM_PAGES)
     assert not (tmp_path / "delta").exists() and not (tmp_path / "delta.part").exists()
