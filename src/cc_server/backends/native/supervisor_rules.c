@@ -366,9 +366,13 @@ static bool own_mount(struct req *q, int fd) {
  * first call, the link is resolved again from the task's root and must name the very inode.
  */
 static bool view_path_check(int fd, char *buf, size_t size) {
+    struct req *q = judging;
+    if (q != NULL && fd >= 0 && fd == q->root_fd && size > 1) {
+        strcpy(buf, "/"); /* the task's root itself, where an absolute path starts: "/" by definition */
+        return true;
+    }
     if (!fd_path(fd, buf, size))
         return false;
-    struct req *q = judging;
     if (q == NULL)
         return false; /* not inside a call: nothing to check it against */
     if (buf[1] != '\0' && own_mount(q, fd))
