@@ -4,7 +4,8 @@ An `Execution` (runtime/execution.py) is composed over a `Child` and never asks 
 has. Three kinds exist: `HostChild` here (a sandbox of its own, or no sandbox: a host process
 and its process group), `SessionProcess` (runtime/session_sandbox.py: a request to the session's
 long-lived sandbox) and `VmChild` (microvm/handle.py: a channel to the guest's agent). The first
-two read and write asyncio pipes, which `PipedChild` holds for both.
+reads and writes asyncio pipes (`PipedChild`); the second plain descriptors the loop watches
+(runtime/command_pipes.py).
 """
 
 from __future__ import annotations
@@ -82,8 +83,7 @@ class Child(Protocol):
 
 
 class PipedChild:
-    """The stdio of a command over asyncio pipes: the part a host process and a session
-    sandbox's command share."""
+    """The stdio of a command over asyncio pipes (a host process's)."""
 
     stdin: asyncio.StreamWriter | None = None
     stdout: asyncio.StreamReader | None = None

@@ -48,8 +48,10 @@ from cc_server.backends.supervisor import (
     stop_supervisor,
 )
 from cc_server.errors import EnforcementFailed
-from cc_server.runtime.child import KILL_GRACE_S, PipedChild
+from cc_server.runtime.child import KILL_GRACE_S, Emit
+from cc_server.runtime.command_pipes import CommandPipes
 from cc_server.runtime.egress_port import Adopted, EgressPort
+from cc_server.runtime.events import EventType
 
 __all__ = ["MAX_REQUEST_BYTES", "SessionProcess", "SessionSandbox", "encode_request"]
 
@@ -61,6 +63,7 @@ KEEPER_KILLED: Final = 0x100  # native/launcher.c KEEPER_KILLED
 _HEADER: Final = struct.Struct("<c3xIII")
 _REPLY: Final = struct.Struct("<c3xII")
 _SIGNAL: Final = struct.Struct("<c3xII")
+_OUTPUTS: Final = {1: EventType.STDOUT, 2: EventType.STDERR}
 log = logging.getLogger("cc_server.runtime")
 
 
@@ -78,9 +81,9 @@ def encode_request(request_id: int, command: SessionCommand) -> bytes | None:
     return message if len(message) <= MAX_REQUEST_BYTES else None
 
 
-class SessionProcess(PipedChild):
+class SessionProcess:
     """One command running in a session sandbox: the Child (runtime/child.py) an Execution of
-    the session's sandbox is composed over."""
+    the session's sandbox is composed over, its pipes plain descriptors (runtime/command_pipes)."""
 
     def __init__(
         self,
@@ -93,7 +96,7 @@ class SessionProcess(PipedChild):
         self.on_report = on_report  # the create-rule supervisor's refusals of this command
         self.returncode: int | None = None
         self._done = asyncio.get_running_loop().create_future()
-        self._transports: list[asyncio.BaseTransport] = []
+        self.pipes = CommandPipes()
 
     @property
     def sandbox(self) -> SessionSandbox:
@@ -129,15 +132,32 @@ class SessionProcess(PipedChild):
             await self._sandbox.aclose()
             await self.exited()
 
+    async def pump(self, emit: Emit) -> None:
+        """See Child.pump."""
+        await self.pipes.pump(emit)
+
+    async def feed(self, data: bytes) -> None:
+        """See Child.feed."""
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            if data:
+                await self.pipes.write(data)
+        self.pipes.close_stdin()
+
+    async def write_stdin(self, data: bytes) -> None:
+        """See Child.write_stdin."""
+        await self.pipes.write(data)
+
+    def close_stdin(self) -> None:
+        """See Child.close_stdin."""
+        self.pipes.close_stdin()
+
     async def close(self) -> None:
         """Close our ends of the command's pipes."""
         self.close_pipes()
 
     def close_pipes(self) -> None:
         """Close our ends of the command's pipes (at once)."""
-        for transport in self._transports:
-            transport.close()
-        self._transports = []
+        self.pipes.close()
 
 
 class SessionSandbox:
@@ -318,7 +338,6 @@ class SessionSandbox:
         if not self._alive:
             raise EnforcementFailed("the session's sandbox has ended; the command was not run")
         self._next_id = self._next_id % 0xFFFF_FFFF + 1  # a u32 in the request, never 0
-        loop = asyncio.get_running_loop()
         proc = SessionProcess(self, request_id, on_report)
         theirs: list[int] = []
         mine: list[int] = []  # descriptors opened here, closed once sent
@@ -327,17 +346,13 @@ class SessionSandbox:
                 if mode == asyncio.subprocess.PIPE:
                     read_end, write_end = os.pipe2(os.O_CLOEXEC)
                     keep, give = (write_end, read_end) if index == 0 else (read_end, write_end)
-                    _give_pipe(give, self.plan.identity, known=True)
                     mine.append(give)
                     theirs.append(give)
                     if index == 0:
-                        proc.stdin = await _writer(loop, keep, proc._transports)
+                        proc.pipes.add_stdin(keep)
                     else:
-                        reader = await _reader(loop, keep, proc._transports)
-                        if index == 1:
-                            proc.stdout = reader
-                        else:
-                            proc.stderr = reader
+                        proc.pipes.add_output(keep, _OUTPUTS[index])
+                    _give_pipe(give, self.plan.identity, known=True)
                 elif mode == asyncio.subprocess.DEVNULL:
                     mine.append(os.open(os.devnull, os.O_RDWR | os.O_CLOEXEC))
                     theirs.append(mine[-1])
@@ -513,29 +528,6 @@ def _mount_table(pid: int) -> bytes | None:
             return f.read()
     except OSError:
         return None
-
-
-async def _reader(
-    loop: asyncio.AbstractEventLoop, fd: int, transports: list[asyncio.BaseTransport]
-) -> asyncio.StreamReader:
-    reader = asyncio.StreamReader(limit=2**16, loop=loop)
-    transport, _ = await loop.connect_read_pipe(
-        lambda: asyncio.StreamReaderProtocol(reader, loop=loop),
-        open(fd, "rb", buffering=0),  # noqa: SIM115  # the transport owns and closes it
-    )
-    transports.append(transport)
-    return reader
-
-
-async def _writer(
-    loop: asyncio.AbstractEventLoop, fd: int, transports: list[asyncio.BaseTransport]
-) -> asyncio.StreamWriter:
-    transport, protocol = await loop.connect_write_pipe(
-        lambda: asyncio.streams.FlowControlMixin(loop=loop),
-        open(fd, "wb", buffering=0),  # noqa: SIM115  # the transport owns and closes it
-    )
-    transports.append(transport)
-    return asyncio.StreamWriter(transport, protocol, None, loop)
 
 
 async def _send(sock: socket.socket, message: bytes, fds: list[int]) -> None:
