@@ -12,13 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import h11
 import pytest
 
-from cc_server.egress.driver import EgressRefused, ProxyParams, open_session_proxies
+from cc_server.egress.addresses import IPAddress
+from cc_server.egress.driver import (
+    AskAnswer,
+    Asker,
+    EgressAsk,
+    EgressRefused,
+    ProxyParams,
+    SessionProxies,
+    open_session_proxies,
+)
 from cc_server.egress.patterns import Allowlist, parse_rules
 
 pytestmark = [pytest.mark.security, pytest.mark.integration]
@@ -95,6 +105,10 @@ class Upstream:
         await writer.drain()
 
 
+async def loopback_resolver(host: str, port: int) -> list[IPAddress]:
+    return [ipaddress.ip_address("127.0.0.1")]
+
+
 @dataclass
 class Lab:
     a: Upstream
@@ -102,11 +116,19 @@ class Lab:
     c: Upstream
     proxy_port: int
     refusals: list[EgressRefused]
+    proxies: SessionProxies
+
+    def only(self, *ups: Upstream) -> Allowlist:
+        """An allowlist naming exactly these upstreams (each by its port)."""
+        return Allowlist(
+            patterns=parse_rules("test", [f"127.0.0.1:{up.port}" for up in ups], "test")
+        )
 
 
 @contextlib.asynccontextmanager
-async def open_lab(a: Upstream | None = None) -> AsyncIterator[Lab]:
-    """Upstreams A and C are allowed (each by its own port), B is not."""
+async def open_lab(a: Upstream | None = None, ask: Asker | None = None) -> AsyncIterator[Lab]:
+    """Upstreams A and C are allowed (each by its own port), B is not. `ask`: an unlisted
+    name is asked about (every name resolves to 127.0.0.1, whose address the list names)."""
     a = a or Upstream()
     b, c = Upstream(), Upstream()
     async with contextlib.AsyncExitStack() as stack:
@@ -114,14 +136,19 @@ async def open_lab(a: Upstream | None = None) -> AsyncIterator[Lab]:
             server = await asyncio.start_server(up.serve, "127.0.0.1", 0)
             await stack.enter_async_context(server)
             up.port = server.sockets[0].getsockname()[1]
-        allowlist = Allowlist(
-            patterns=parse_rules("test", [f"127.0.0.1:{a.port}", f"127.0.0.1:{c.port}"], "test")
-        )
+        entries = [f"127.0.0.1:{a.port}", f"127.0.0.1:{c.port}"] + (["127.0.0.1"] if ask else [])
+        allowlist = Allowlist(patterns=parse_rules("test", entries, "test"))
         refusals: list[EgressRefused] = []
-        params = ProxyParams(session_id="smuggle", allowlist=allowlist, on_refused=refusals.append)
+        params = ProxyParams(
+            session_id="smuggle",
+            allowlist=allowlist,
+            on_refused=refusals.append,
+            ask=ask,
+            resolver=loopback_resolver,
+        )
         proxies = await stack.enter_async_context(open_session_proxies(params))
         assert proxies.http_port is not None
-        yield Lab(a, b, c, proxies.http_port, refusals)
+        yield Lab(a, b, c, proxies.http_port, refusals, proxies)
 
 
 class Client:
@@ -347,3 +374,49 @@ async def test_a_response_chunked_despite_its_content_length_is_passed_on_as_chu
     assert second == (200, b"ok|/second")
     assert lab.a.targets == [[b"/first"], [b"/second"]]
     assert lab.refusals == []
+
+
+async def test_a_removal_refuses_the_next_request_after_several_on_a_kept_upstream() -> None:
+    # The guard's answer is kept for the kept upstream's target only under the allowlist that
+    # gave it: the allowlist changed, so the next request is decided again, and refused.
+    async with open_lab() as lab, client(lab) as c:
+        for path in ("/one", "/two", "/three"):
+            await c.send(get(lab.a, path))
+            assert await c.response() == (200, b"ok|" + path.encode())
+        lab.proxies.set_allowlist(lab.only(lab.c))
+        await c.send(get(lab.a, "/four"))
+        status, body = await c.response()
+        await settle(lab)
+    assert status == 403, body
+    assert lab.a.targets == [[b"/one", b"/two", b"/three"]]
+    assert b"/four" not in lab.a.received[0]
+    (refusal,) = lab.refusals
+    assert refusal.port == lab.a.port
+
+
+async def test_each_request_on_a_kept_upstream_to_an_unlisted_target_is_asked_about() -> None:
+    # Approved once, twice, then refused: an answer given by asking is never kept for the
+    # next request, even on the upstream it was dialled for.
+    asked: list[EgressAsk] = []
+
+    async def asker(ask: EgressAsk) -> AskAnswer:
+        asked.append(ask)
+        return AskAnswer(allowed=len(asked) <= 2, reason="refused the third time")
+
+    def ask_b(path: str) -> bytes:
+        host = f"ask.test:{lab.b.port}"
+        return f"GET http://{host}{path} HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+
+    async with open_lab(ask=asker) as lab, client(lab) as c:
+        for path in ("/one", "/two"):
+            await c.send(ask_b(path))
+            assert await c.response() == (200, b"ok|" + path.encode())
+        await c.send(ask_b("/three"))
+        status, body = await c.response()
+        await settle(lab)
+    assert status == 403, body
+    assert [(ask.host, ask.port) for ask in asked] == [("ask.test", lab.b.port)] * 3
+    assert lab.b.targets == [[b"/one", b"/two"]]
+    assert b"/three" not in lab.b.received[0]
+    (refusal,) = lab.refusals
+    assert refusal.port == lab.b.port

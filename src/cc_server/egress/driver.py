@@ -529,6 +529,11 @@ class _Connection:
         self._tunnel: tuple[str, int] | None = None  # (host as named, port) of an allowed tunnel
         self._upstream_for: tuple[str, int] = ("", 0)  # (lower-case host, port) it was dialled for
         self._kept = False  # a forwarded exchange began: the connection may carry more requests
+        # The guard's last answer for a listed forward target, with the allowlist it was made
+        # by and the upstream open then: the same target's next request on that upstream under
+        # that allowlist gets it again without asking (a change of the allowlist is another
+        # object; an answer given by asking is never kept).
+        self._kept_verdict: tuple[Allowlist, socket.socket, str, int, Allowed] | None = None
         if client.family in (socket.AF_INET, socket.AF_INET6):
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
@@ -714,6 +719,16 @@ class _Connection:
     async def _check(self, event: CheckEgress) -> Verdict:
         """The guard's verdict on `event`: resolved if it asks, asked about if unlisted."""
         allowlist = self._proxies.allowlist
+        kept = self._kept_verdict
+        if (
+            kept is not None
+            and kept[0] is allowlist
+            and kept[1] is self._upstream
+            and kept[2] == event.host
+            and kept[3] == event.port
+            and event.kind == "forward"
+        ):
+            return kept[4]
         asker = self._proxies._asker
         first = check_target(allowlist, event.host, event.port, ask=asker is not None)
         if isinstance(first, Resolve):
@@ -725,9 +740,13 @@ class _Connection:
             )
         else:
             verdict = first
-        if asker is None or not isinstance(verdict, Allowed) or not verdict.ask:
+        if not isinstance(verdict, Allowed):
             return verdict
-        return await self._ask(asker, event, verdict)
+        if verdict.ask:
+            return verdict if asker is None else await self._ask(asker, event, verdict)
+        if event.kind == "forward" and self._upstream is not None:
+            self._kept_verdict = (allowlist, self._upstream, event.host, event.port, verdict)
+        return verdict
 
     def _reusable_peer(self, event: CheckEgress) -> IPAddress | None:
         """The address of the open upstream, if it was dialled for this forwarded target: the
