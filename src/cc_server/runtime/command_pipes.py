@@ -16,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import os
+from collections.abc import Callable
 from typing import Final
 
 from cc_server.errors import BadSpec
@@ -36,6 +37,8 @@ class CommandPipes:
         self._open: set[int] = set()  # our descriptors not closed yet
         self._outputs: list[tuple[int, EventType]] = []
         self._stdin: int | None = None  # until it is closed
+        self._stdin_fd = -1  # its number while it is in `_open`
+        self._closed_output: Callable[[int], None] | None = None  # set while pump runs
         self._had_stdin = False
         self._writing: asyncio.Lock | None = None  # writes one after another, in call order
         self._writers = 0  # writes asked for and not finished
@@ -46,7 +49,7 @@ class CommandPipes:
         """Take the write end of the command's stdin pipe."""
         os.set_blocking(fd, False)
         self._open.add(fd)
-        self._stdin, self._had_stdin = fd, True
+        self._stdin, self._stdin_fd, self._had_stdin = fd, fd, True
 
     def add_output(self, fd: int, kind: EventType) -> None:
         """Take the read end of its stdout (`kind` STDOUT) or stderr pipe."""
@@ -59,30 +62,48 @@ class CommandPipes:
         here); cancel to stop early."""
         loop = asyncio.get_running_loop()
         kinds = {fd: kind for fd, kind in self._outputs if fd in self._open}
-        ready: collections.deque[int] = collections.deque()
+        ready: collections.deque[int] = collections.deque()  # readable, not read yet
+        watched: set[int] = set()  # registered with the loop
         woken: list[asyncio.Future[None]] = []
 
         def readable(fd: int) -> None:
-            loop.remove_reader(fd)  # until its chunk is queued
+            if fd in ready:  # still waiting its turn (the consumer is slow): stop asking
+                loop.remove_reader(fd)
+                watched.discard(fd)
+                return
             ready.append(fd)
             if woken and not woken[0].done():
                 woken[0].set_result(None)
 
-        for fd in kinds:
-            loop.add_reader(fd, readable, fd)
+        def closed(fd: int) -> None:
+            watched.discard(fd)
+            if fd not in ready:
+                ready.append(fd)
+            if woken and not woken[0].done():
+                woken[0].set_result(None)
+
+        self._closed_output = closed
         try:
+            for fd in kinds:
+                loop.add_reader(fd, readable, fd)
+                watched.add(fd)
             while kinds:
                 if not ready:
                     woken[:] = [loop.create_future()]
                     await woken[0]
                     continue
-                fd = ready.popleft()
-                if fd in kinds and await self._read_some(fd, kinds[fd], emit):
+                fd = ready[0]
+                open_still = fd in kinds and await self._read_some(fd, kinds[fd], emit)
+                ready.popleft()
+                if not open_still:
+                    kinds.pop(fd, None)
+                    watched.discard(fd)
+                elif fd not in watched:
                     loop.add_reader(fd, readable, fd)
-                elif fd in kinds:
-                    del kinds[fd]
+                    watched.add(fd)
         finally:
-            for fd in kinds:
+            self._closed_output = None
+            for fd in watched:
                 if fd in self._open:
                     loop.remove_reader(fd)
 
@@ -164,15 +185,20 @@ class CommandPipes:
         if fd not in self._open:
             return
         self._open.discard(fd)
-        if fd == self._stdin:
-            self._stdin = None
+        is_stdin = fd == self._stdin_fd
         with contextlib.suppress(RuntimeError):  # no running loop: nothing watches it
             loop = asyncio.get_running_loop()
-            loop.remove_reader(fd)
-            loop.remove_writer(fd)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():  # only a write waits: on stdin
-            waiter.set_exception(BrokenPipeError("stdin is closed"))
+            if is_stdin:
+                loop.remove_writer(fd)  # a write waiting for room
+            else:
+                loop.remove_reader(fd)  # pump's, if it still watches it
+        if is_stdin:
+            self._stdin = None
+            waiter = self._waiter
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(BrokenPipeError("stdin is closed"))
+        elif self._closed_output is not None:
+            self._closed_output(fd)  # pump stops waiting for it
         os.close(fd)
 
     def close(self) -> None:

@@ -87,3 +87,19 @@ async def test_output_is_pumped_at_the_consumers_pace_until_both_ends_close() ->
     assert bytes(got[EventType.STDOUT]) == payload and bytes(got[EventType.STDERR]) == b"err"
     assert not pipes._open  # each closed at its EOF, so close() closes nothing twice
     pipes.close()
+
+
+async def test_pump_ends_when_its_pipes_are_closed_here() -> None:
+    pipes = CommandPipes()
+    out_r, out_w = os.pipe2(os.O_CLOEXEC)
+    pipes.add_output(out_r, EventType.STDOUT)
+
+    async def emit(kind: EventType, chunk: bytes) -> None:
+        raise AssertionError("nothing was written")
+
+    pump = asyncio.create_task(pipes.pump(emit))
+    await asyncio.sleep(0)
+    pipes.close()  # the command's end is still open: no EOF comes
+    async with asyncio.timeout(10):
+        await pump
+    os.close(out_w)
