@@ -27,7 +27,7 @@ import codecs
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -155,19 +155,22 @@ async def exec_collected(request: web.Request) -> web.StreamResponse:
     return await send_exec_result(request, result)
 
 
+_OUTPUT_EVENTS: Final = frozenset({EventType.STDOUT, EventType.STDERR})
+_UTF8: Final = codecs.getincrementaldecoder("utf-8")
+
+
 class _TextStreams:
     """Events as WebSocket frames: UTF-8 decoding per output stream that never splits a
     character across two frames (each output chunk decoded once, here)."""
 
     def __init__(self) -> None:
-        self._decoders = {
-            kind: codecs.getincrementaldecoder("utf-8")(errors="replace")
-            for kind in (EventType.STDOUT, EventType.STDERR)
-        }
+        self._decoders: dict[EventType, codecs.IncrementalDecoder] = {}  # made on first output
 
     def render(self, event: SandboxEvent) -> list[dict[str, object]]:
-        decoder = self._decoders.get(event.type)
-        if decoder is not None and event.data is not None:
+        if event.type in _OUTPUT_EVENTS and event.data is not None:
+            decoder = self._decoders.get(event.type)
+            if decoder is None:
+                decoder = self._decoders[event.type] = _UTF8(errors="replace")
             text = decoder.decode(event.data)
             if not text:
                 return []
@@ -273,6 +276,8 @@ class _Command:
     inbox: asyncio.Queue[tuple[bytes | None, bool]] = field(
         default_factory=lambda: asyncio.Queue(SESSION_INPUT_QUEUE))  # (stdin data, close)
     execution: Execution | None = None  # set once it runs
+    feeder: asyncio.Task[None] | None = None  # writes `inbox` to its stdin, once there is some
+    feed: Callable[[], None] | None = None  # starts `feeder`, while the command runs
     kill: str | None = None  # a kill asked for before it ran: the reason
     held: int = 0  # stdin bytes taken for it and not written yet
 
@@ -420,6 +425,8 @@ class _SessionStream:
                                "let the command read its stdin first")
             self._hold(command, data)
             command.inbox.put_nowait((data, msg.stdin_close))
+            if command.feed is not None:
+                command.feed()
         if msg.kill:
             if command.execution is None:
                 command.kill = "manual"  # applied once it runs
@@ -441,15 +448,25 @@ class _SessionStream:
                                          else command.kill or "manual")
                 texts = _TextStreams()
                 async with asyncio.TaskGroup() as tg:
-                    inputs = tg.create_task(self._feed(command, execution, initial),
-                                            name=f"session stream stdin {command.id}")
+
+                    def feed() -> None:  # stdin is written by a task of its own, when there is
+                        if command.feeder is None:
+                            command.feeder = tg.create_task(
+                                self._feed(command, execution, initial),
+                                name=f"session stream stdin {command.id}")
+
+                    command.feed = feed
+                    if initial or not command.inbox.empty():
+                        feed()
                     async for event in execution:
                         if event.type is EventType.EXIT:  # its id is free from its exit frame on
                             self._forget(command)
                         for frame in texts.render(event):
                             frame["id"] = command.id
                             await _send(self._ws, frame)
-                    inputs.cancel()
+                    command.feed = None
+                    if command.feeder is not None:
+                        command.feeder.cancel()
         except Refused as refused:
             self._forget(command)
             await self._error(command.id, refused.status, refused.body)
