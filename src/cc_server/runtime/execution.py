@@ -140,9 +140,10 @@ class Execution:
                 # sandbox's processes died with its PID 1). Buffered output is still read, for
                 # a bounded time.
                 child.signal(signal.SIGKILL)
-                _, pending = await asyncio.wait([output], timeout=PIPE_DRAIN_AFTER_EXIT_S)
-                for task in pending:
-                    task.cancel()
+                if not output.done():
+                    _, pending = await asyncio.wait([output], timeout=PIPE_DRAIN_AFTER_EXIT_S)
+                    for task in pending:
+                        task.cancel()
         finally:
             await self._finish(child)
 

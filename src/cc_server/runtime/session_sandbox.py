@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -70,15 +71,31 @@ log = logging.getLogger("cc_server.runtime")
 def encode_request(request_id: int, command: SessionCommand) -> bytes | None:
     """The `X` message for `command`, or None when it does not fit one request (the caller then
     runs it in a sandbox of its own)."""
-    words = [command.cwd, *command.argv, *(f"{k}={v}" for k, v in command.env)]
-    if len(command.argv) + len(command.env) > MAX_WORDS or any("\0" in w for w in words):
+    if len(command.argv) + len(command.env) > MAX_WORDS:
+        return None
+    words = _words((command.cwd, *command.argv))
+    env = _env_words(command.env)
+    if words is None or env is None:
+        return None
+    message = _HEADER.pack(b"X", request_id, len(command.argv), len(command.env)) + words + env
+    return message if len(message) <= MAX_REQUEST_BYTES else None
+
+
+def _words(words: Sequence[str]) -> bytes | None:
+    """Each word NUL-terminated, or None when one holds a NUL or cannot be encoded (not a word
+    exec could take either: the usual path says so)."""
+    if any("\0" in w for w in words):
         return None
     try:
-        body = b"".join(os.fsencode(w) + b"\0" for w in words)
-    except UnicodeEncodeError:  # not a word exec could take either: the usual path says so
+        return b"".join(os.fsencode(w) + b"\0" for w in words)
+    except UnicodeEncodeError:
         return None
-    message = _HEADER.pack(b"X", request_id, len(command.argv), len(command.env)) + body
-    return message if len(message) <= MAX_REQUEST_BYTES else None
+
+
+@functools.lru_cache(maxsize=64)
+def _env_words(env: tuple[tuple[str, str], ...]) -> bytes | None:
+    """`KEY=VALUE` words of `env` (`_words`), kept: a session's commands mostly share theirs."""
+    return _words([f"{k}={v}" for k, v in env])
 
 
 class SessionProcess:
