@@ -49,7 +49,7 @@ class _Checks:
 
     present: tuple[str, ...]
     missing: tuple[str, ...]
-    lstats: tuple[tuple[str, tuple[int, int, int, int, int]], ...]
+    stats: tuple[tuple[Callable[[str], os.stat_result], str, tuple[int, int, int, int, int]], ...]
     others: tuple[tuple[str, str, int, object], ...]
 
 
@@ -213,10 +213,9 @@ class HostReads:
             self._names = _by_directory(checks.present, absent)
         if not self._same_names(exists):
             return False
-        lstat = os.lstat
-        for path, key in checks.lstats:
+        for asked, path, key in checks.stats:
             try:
-                now = lstat(path)
+                now = asked(path)
             except OSError:
                 return False
             if (now.st_ino, now.st_dev, now.st_mode, now.st_uid, now.st_gid) != key:
@@ -279,24 +278,25 @@ class HostReads:
     def _sorted(self) -> _Checks:
         """The recorded questions by how `hold` asks them again: a path that existed (`lexists`)
         by `access`, one that was missing through its shallowest missing ancestor, a `lstat` that
-        answered by its key, the rest as they were asked. A `lexists` also asked as an `lstat`
-        is asked as that, which says more."""
+        answered (and a `stat`) by its key, the rest as they were asked. A `lexists` also asked
+        as an `lstat` is asked as that, which says more."""
         seen = self._seen
         present: list[str] = []
         missing: list[str] = []
-        lstats: list[tuple[str, tuple[int, int, int, int, int]]] = []
+        stats: list[tuple[Callable[[str], os.stat_result], str,
+                          tuple[int, int, int, int, int]]] = []
         others: list[tuple[str, str, int, object]] = []
         for (op, path, limit), was in seen.items():
             if op == "lexists":
                 if ("lstat", path, -1) in seen:
                     continue
                 (present if was is True else missing).append(path)
-            elif op == "lstat" and isinstance(was, os.stat_result):
-                lstats.append((path, (was.st_ino, was.st_dev, was.st_mode, was.st_uid,
-                                      was.st_gid)))
+            elif op in ("lstat", "stat") and isinstance(was, os.stat_result):
+                stats.append((os.lstat if op == "lstat" else os.stat, path,
+                              (was.st_ino, was.st_dev, was.st_mode, was.st_uid, was.st_gid)))
             else:
                 others.append((op, path, limit, was))
-        return _Checks(present=tuple(present), missing=tuple(missing), lstats=tuple(lstats),
+        return _Checks(present=tuple(present), missing=tuple(missing), stats=tuple(stats),
                        others=tuple(others))
 
     @property
