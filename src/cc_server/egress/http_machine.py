@@ -21,7 +21,10 @@ Both legs of a forward are framed by h11 (`h11.Connection(h11.SERVER)` for the c
 request, `h11.Connection(h11.CLIENT)` for the upstream's response, one of each per exchange):
 each request is read as an h11 `Request` and body events, decided on its own (`CheckEgress`; a
 pipelined request is parsed only once the response before it has ended), and written again by
-h11 for the upstream in origin form; the response head is read by h11. So each side gets
+h11 for the upstream in origin form (for a request without a body its head is written as h11
+writes it, and the response head read with h11's own head parser until the response needs
+an h11 connection: one is then given every byte the upstream sent); the response head is
+read by h11. So each side gets
 exactly one framing, h11's: Content-Length or chunked (chunk extensions and trailers dropped),
 no body for HEAD, 204 and 304, 1xx passed on (a 101 is refused), and a response whose body ends
 at the upstream's EOF ends the client connection too (it says ``Connection: close``). A
@@ -54,6 +57,11 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import h11
+
+# h11's own parser of a response head (what its client connection runs on the bytes), used
+# alone while nothing but a head is awaited; everything else goes through h11.Connection.
+from h11._readers import maybe_read_from_SEND_RESPONSE_server
+from h11._receivebuffer import ReceiveBuffer
 
 from cc_server.egress.proto import (
     MAX_HEADER_BYTES,
@@ -107,6 +115,9 @@ _DROPPED_HEADERS = frozenset(
 _KEPT_HEADERS = frozenset({b"host", b"content-length", b"transfer-encoding"})
 
 _HEAD_TOO_LARGE = f"request head over {MAX_HEADER_BYTES} bytes"
+# An upstream's response head beyond this is refused by h11's client connection (its default
+# max_incomplete_event_size): read without one, a longer head is handed to one to refuse.
+_MAX_RESPONSE_HEAD_BYTES = 16 * 1024
 
 
 _Field: TypeAlias = tuple[bytes, bytes, bytes]  # a header field: (lower-case name, name, value)
@@ -138,7 +149,14 @@ class HttpProxyMachine(HandshakeMachine):
         self._empty = True  # the client's parser holds no byte and no EOF
         self._first = True  # no request was read on this connection yet
         self._connect = False
-        self._request: h11.Request | None = None  # the decided request, for the upstream
+        # The decided request for the upstream (method, origin-form target, fields), and
+        # whether it has no body (its upstream's response head is read by h11's parser alone).
+        self._request: tuple[bytes, bytes, list[tuple[bytes, bytes]]] | None = None
+        self._bodyless = False
+        # Before the upstream's response head: the bytes it sent (`_up` None while they are
+        # read without an h11 connection), and whether it closed.
+        self._up_head = bytearray()
+        self._up_eof = False
         self._target: tuple[str, int] = ("", 0)  # its (lower-case host, port)
         # The upstream's leg of a forward, and the (lower-case host, port) it was dialled for.
         self._up: h11.Connection | None = None
@@ -178,7 +196,11 @@ class HttpProxyMachine(HandshakeMachine):
             self._raw = data
             self._raw_eof = not data
             return
-        assert self._up is not None  # EXCHANGE has an upstream
+        if self._up is None:  # the response head, read by h11's parser alone
+            self._up_fed = True
+            self._up_head += data
+            self._up_eof = not data
+            return
         self._up_fed = True
         self._up.receive_data(data)
 
@@ -238,11 +260,13 @@ class HttpProxyMachine(HandshakeMachine):
             return parsed
         host_header: bytes | None = None
         framing: set[bytes] = set()
+        self._bodyless = True
         for name, _, value in fields:
             if name == b"host":
                 host_header = value  # h11 refuses a second Host field
             elif name in (b"content-length", b"transfer-encoding"):
                 framing.add(name)
+                self._bodyless = name == b"content-length" and value == b"0"
         if len(framing) == 2:
             return _refuse(400, "Content-Length and Transfer-Encoding together are refused")
         if host_header is not None:
@@ -275,11 +299,17 @@ class HttpProxyMachine(HandshakeMachine):
             self._up_target = self._target
         # One h11 connection per exchange: a reused upstream's parser starts afresh, as after
         # h11's start_next_cycle (which it could not do after a counted body it never saw).
-        self._up = h11.Connection(h11.CLIENT)
+        # For a request without a body it is made only if the response needs it (`_read_head`).
         assert self._request is not None
         self._up_idle = False
-        self._to_upstream += self._up.send(self._request)
-        self._request = None
+        self._up_head.clear()
+        self._up_eof = False
+        if self._bodyless:
+            self._up = None
+            self._to_upstream += _request_head(*self._request)
+        else:
+            self._up = h11.Connection(h11.CLIENT)
+            self._to_upstream += self._up.send(_request_event(*self._request))
         self._started = self._eof_body = self._raw_eof = self._overrun = self._up_fed = False
         self._counted = -1
         self._state = State.EXCHANGE
@@ -289,17 +319,19 @@ class HttpProxyMachine(HandshakeMachine):
         if self._ended:
             return CloseConnection(reply=b"", reason="the response ended the connection")
         conn, up = self._conn, self._up
-        assert conn is not None and up is not None  # EXCHANGE has both legs
+        assert conn is not None  # EXCHANGE has the client's leg
         try:
             while conn.their_state is h11.SEND_BODY:
                 event = conn.next_event()
                 if event is h11.NEED_DATA:
                     break
                 if isinstance(event, h11.Data):
+                    assert up is not None  # a request with a body has its h11 upstream
                     self._to_upstream += up.send(event)
                 else:  # EndOfMessage: h11 raises for a body cut short; trailers are dropped
                     assert isinstance(event, h11.EndOfMessage), event
-                    self._to_upstream += up.send(h11.EndOfMessage())
+                    if up is not None:
+                        self._to_upstream += up.send(h11.EndOfMessage())
         except h11.RemoteProtocolError as exc:
             reason = f"bad request body: {exc}"
             return (
@@ -310,7 +342,10 @@ class HttpProxyMachine(HandshakeMachine):
             return SendUpstream(data=data)
         if self._counted < 0:
             try:
-                self._pass_response(conn, up)
+                if up is None:
+                    up = self._read_head(conn)
+                if up is not None:
+                    self._pass_response(conn, up)
             except (h11.RemoteProtocolError, _UpstreamBroke) as exc:
                 reply = b"" if self._started else self._upstream_failed_reply(None, f"{exc}")
                 return CloseConnection(
@@ -321,7 +356,41 @@ class HttpProxyMachine(HandshakeMachine):
         if self._to_client:
             data, self._to_client = bytes(self._to_client), bytearray()
             return SendToClient(data=data)
+        if up is None:
+            return NEED_UPSTREAM_DATA  # the response head is not complete yet
         return self._after_response(conn, up)
+
+    def _read_head(self, conn: h11.Connection) -> h11.Connection | None:
+        """Read the response head of a request without a body with h11's parser alone; an h11
+        connection for the upstream only if the response needs one (returned): anything but a
+        complete head whose body is counted (`_pass_head`), or a head h11 would refuse. It is
+        given every byte the upstream sent, so it reads and refuses exactly as it would have
+        from the first byte."""
+        if not self._up_fed:
+            return None
+        self._up_fed = False
+        buffer = ReceiveBuffer()
+        buffer += self._up_head
+        try:
+            event = maybe_read_from_SEND_RESPONSE_server(buffer)
+        except h11.LocalProtocolError:
+            event = None  # h11.Connection refuses it, in its own words
+        else:
+            if event is None and not self._up_eof and len(buffer) <= _MAX_RESPONSE_HEAD_BYTES:
+                return None  # more to come
+            if isinstance(event, h11.Response):
+                rest = bytes(buffer)
+                if self._pass_head(conn, event, rest, self._up_eof, fall_back=True):
+                    return None
+        assert self._request is not None
+        up = self._up = h11.Connection(h11.CLIENT)
+        up.send(_request_event(*self._request))  # sent already, as `_request_head` wrote it
+        up.send(h11.EndOfMessage())
+        up.receive_data(bytes(self._up_head))
+        if self._up_eof:
+            up.receive_data(b"")
+        self._up_fed = True
+        return up
 
     def _pass_counted(self) -> Event:
         """Pass on the next bytes of a counted body: exactly its Content-Length, never a byte
@@ -382,8 +451,7 @@ class HttpProxyMachine(HandshakeMachine):
             elif isinstance(event, h11.EndOfMessage):
                 self._to_client += conn.send(h11.EndOfMessage())
             elif isinstance(event, h11.Response):
-                self._started = True
-                if self._pass_head(conn, up, event):
+                if self._pass_head(conn, event, *up.trailing_data):
                     return  # its body is counted (`_pass_counted`)
             elif isinstance(event, h11.InformationalResponse) and event.status_code != 101:
                 headers = _hop_by_hop_dropped(_fields(event.headers))
@@ -395,8 +463,18 @@ class HttpProxyMachine(HandshakeMachine):
             else:  # ConnectionClosed (h11 raises for a response cut short), or a 101
                 raise _UpstreamBroke(f"the upstream sent {type(event).__name__} mid-response")
 
-    def _pass_head(self, conn: h11.Connection, up: h11.Connection, response: h11.Response) -> bool:
-        """Write the response head for the client; whether its body is counted.
+    def _pass_head(
+        self,
+        conn: h11.Connection,
+        response: h11.Response,
+        rest: bytes,
+        eof: bool,
+        *,
+        fall_back: bool = False,
+    ) -> bool:
+        """Write the response head for the client; whether its body is counted (`rest`: the
+        bytes after the head, `eof`: the upstream closed after them). `fall_back`: a head
+        whose body is not counted is left for an h11 connection to read again (False).
 
         A body framed by Content-Length alone (or none: HEAD, 204, 304) once the request has
         been read whole is counted (`_counted`): the head is written here, as h11 would write
@@ -411,13 +489,17 @@ class HttpProxyMachine(HandshakeMachine):
         length = _counted_length(self._method, response.status_code, kept)
         read = conn.their_state is h11.DONE or conn.their_state is h11.MUST_CLOSE
         if length >= 0 and read:
+            self._started = True
             self._to_client += _response_head(response, kept, close=not self._keep)
             self._counted = length
             self._up_keep = (
                 self._keep and response.http_version == b"1.1" and b"close" not in tokens
             )
-            self._raw, self._raw_eof = up.trailing_data
+            self._raw, self._raw_eof = rest, eof
             return True
+        if fall_back:
+            return False
+        self._started = True
         headers = [(raw_name, value) for _, raw_name, value in kept]
         framed = any(name in (b"content-length", b"transfer-encoding") for name, _, _ in fields)
         if not framed and self._method != b"HEAD" and response.status_code not in (204, 304):
@@ -656,7 +738,7 @@ def _upstream_request(
     *,
     keep: bool,
     add_host: bool,
-) -> h11.Request:
+) -> tuple[bytes, bytes, list[tuple[bytes, bytes]]]:
     headers = _hop_by_hop_dropped(fields, tokens)
     if add_host:
         host = f"[{target.host}]" if ":" in target.host else target.host
@@ -664,15 +746,27 @@ def _upstream_request(
         headers.insert(0, (b"Host", value.encode()))
     if not keep:
         headers.append((b"Connection", b"close"))  # this client connection ends after it
+    return request.method, target.origin_form.encode(), headers
+
+
+def _request_event(
+    method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]
+) -> h11.Request:
     # `_parsed`: the fields are h11's own parse of the client's head (or ours, constant and
     # valid), so h11 need not match each against its grammar again; the framing checks run.
     return h11.Request(
-        method=request.method,
-        target=target.origin_form.encode(),
-        headers=headers,
-        http_version=b"1.1",
-        _parsed=True,
+        method=method, target=target, headers=headers, http_version=b"1.1", _parsed=True
     )
+
+
+def _request_head(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The head h11 writes for `_request_event(...)`: the request line, Host first, the rest
+    as given (h11's parse of the client's fields, already in the form h11 writes)."""
+    lines = [b"%s %s HTTP/1.1\r\n" % (method, target)]
+    lines += [b"%s: %s\r\n" % (name, value) for name, value in headers if name.lower() == b"host"]
+    lines += [b"%s: %s\r\n" % (name, value) for name, value in headers if name.lower() != b"host"]
+    lines.append(b"\r\n")
+    return b"".join(lines)
 
 
 def _refuse(status: int, reason: str) -> ProtocolRefused:

@@ -8,7 +8,15 @@ import pytest
 from machine_kit import drive_machine
 
 from cc_server.egress.http_machine import HttpProxyMachine
-from cc_server.egress.proto import CloseConnection, SendToClient
+from cc_server.egress.proto import (
+    NEED_DATA,
+    NEED_UPSTREAM_DATA,
+    CheckEgress,
+    CloseConnection,
+    OpenUpstream,
+    SendToClient,
+    SendUpstream,
+)
 
 REQUESTS = {
     "kept": b"GET http://a.com/ HTTP/1.1\r\nHost: a.com\r\n\r\n",
@@ -67,3 +75,57 @@ def test_the_client_gets_what_h11_would_write(
     sent = b"".join(step.data for step in steps if isinstance(step, SendToClient))
     assert sent == h11_would_write(request_, response)
     assert isinstance(steps[-1], CloseConnection) and steps[-1].reply == b""
+
+
+@pytest.mark.parametrize(
+    "response",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: x\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nBad Field: 1\r\n\r\nok",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n",  # the head cut short by the close
+        b"HTTP/1.1 200 OK\r\nX: " + b"y" * (20 * 1024),  # never ends, over h11's 16 KiB
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: x\r\n\r\n",
+        b"SMTP ready\r\n\r\n",
+    ],
+    ids=["bad-length", "two-lengths", "gzip", "bad-field", "cut-head", "huge-head", "101", "junk"],
+)
+@pytest.mark.parametrize("chunk", [None, 1000])
+def test_a_response_head_h11_refuses_is_refused_with_a_502(
+    response: bytes, chunk: int | None
+) -> None:
+    # Read without an h11 connection while only a head is awaited, a head h11 would refuse
+    # is handed to one: refused as h11 refuses it, nothing of it reaching the client.
+    steps = drive_machine(HttpProxyMachine, REQUESTS["kept"], response=response, chunk=chunk)
+    assert not any(isinstance(step, SendToClient) for step in steps), steps
+    last = steps[-1]
+    assert isinstance(last, CloseConnection), steps
+    assert last.reply.startswith(b"HTTP/1.1 502 "), last.reply[:60]
+
+
+def test_an_unended_response_head_is_refused_once_over_h11s_bound_without_waiting_for_more() -> (
+    None
+):
+    # The head read without an h11 connection is bounded as h11 bounds it: past 16 KiB and
+    # still incomplete, it is refused at once, not buffered until the upstream closes.
+    machine = HttpProxyMachine()
+    assert machine.next_event() is NEED_DATA
+    machine.receive_data(REQUESTS["kept"])
+    assert isinstance(machine.next_event(), CheckEgress)
+    machine.decide(True)
+    assert isinstance(machine.next_event(), OpenUpstream)
+    machine.upstream_result(True)
+    assert isinstance(machine.next_event(), SendUpstream)
+    head = b"HTTP/1.1 200 OK\r\nX: " + b"y" * (20 * 1024)
+    for fed in range(0, len(head), 1000):
+        event = machine.next_event()
+        if isinstance(event, CloseConnection):
+            break
+        assert event is NEED_UPSTREAM_DATA, event
+        machine.receive_upstream_data(head[fed : fed + 1000])
+    else:
+        event = machine.next_event()
+    assert isinstance(event, CloseConnection), event
+    assert event.reply.startswith(b"HTTP/1.1 502 ")
+    assert fed <= 17 * 1000
