@@ -285,9 +285,12 @@ static int compare_ids(const void *a, const void *b) {
 }
 
 /* Read the mount ids of the task's mount namespace (the first field of each mountinfo line)
- * into s->mnt_ids, sorted. Returns 1, or -1 when they cannot be read (then every link is
- * resolved again). */
-static int read_mount_ids(struct ccs *s, int proc_fd) {
+ * into s->mnt_ids, sorted. Returns 1; 0 when the call's task is gone by the end of the read (its
+ * /proc entry may have named another process with its thread id: asked again at the next call);
+ * -1 when they cannot be read (then every link is resolved again). */
+static int read_mount_ids(struct req *q) {
+    struct ccs *s = q->s;
+    int proc_fd = q->proc_fd;
     enum { MAX_MOUNTS = 4096, MAX_BYTES = 1 << 20 };
     int fd = proc_fd >= 0 ? openat(proc_fd, "mountinfo", O_RDONLY | O_CLOEXEC) : -1;
     if (fd < 0)
@@ -323,6 +326,12 @@ static int read_mount_ids(struct ccs *s, int proc_fd) {
             goto out;
         line = nl + 1;
     }
+    if (!id_valid(s, q->n->id)) {
+        /* Still waiting in its call, the task kept its thread id all along, so the entry
+         * opened by that id was its own; gone, it may not have been. */
+        state = 0;
+        goto out;
+    }
     qsort(ids, (size_t)n, sizeof *ids, compare_ids);
     s->mnt_ids = ids;
     s->nmnt_ids = n;
@@ -342,7 +351,7 @@ static bool own_mount(struct req *q, int fd) {
     if (atomic_load(&s->mnt_state) == 0) {
         pthread_mutex_lock(&s->mnt_lock);
         if (atomic_load(&s->mnt_state) == 0)
-            atomic_store(&s->mnt_state, read_mount_ids(s, q->proc_fd));
+            atomic_store(&s->mnt_state, read_mount_ids(q));
         pthread_mutex_unlock(&s->mnt_lock);
     }
     if (atomic_load(&s->mnt_state) != 1)
