@@ -698,11 +698,8 @@ def _counted_length(method: bytes, status: int, fields: list[_Field]) -> int:
 def _response_head(response: h11.Response, fields: list[_Field], *, close: bool) -> bytes:
     """The head h11 writes for `response` with these fields (none of them Connection): Host
     first, and ``Connection: close`` last when the client's connection ends after it."""
-    lines = [b"HTTP/1.1 %d %s\r\n" % (response.status_code, response.reason)]
-    lines += [b"%s: %s\r\n" % (raw, value) for name, raw, value in fields if name == b"host"]
-    lines += [b"%s: %s\r\n" % (raw, value) for name, raw, value in fields if name != b"host"]
-    lines.append(b"Connection: close\r\n\r\n" if close else b"\r\n")
-    return b"".join(lines)
+    start = b"HTTP/1.1 %d %s" % (response.status_code, response.reason)
+    return _head(start, [(raw, value) for _, raw, value in fields], close=close)
 
 
 def _fields(headers: h11._headers.Headers) -> list[_Field]:
@@ -762,10 +759,16 @@ def _request_event(
 def _request_head(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]]) -> bytes:
     """The head h11 writes for `_request_event(...)`: the request line, Host first, the rest
     as given (h11's parse of the client's fields, already in the form h11 writes)."""
-    lines = [b"%s %s HTTP/1.1\r\n" % (method, target)]
+    return _head(b"%s %s HTTP/1.1" % (method, target), headers, close=False)
+
+
+def _head(start: bytes, headers: list[tuple[bytes, bytes]], *, close: bool) -> bytes:
+    """A message head as h11 writes it: the start line, Host first, the other fields in order,
+    and ``Connection: close`` last if `close`."""
+    lines = [start + b"\r\n"]
     lines += [b"%s: %s\r\n" % (name, value) for name, value in headers if name.lower() == b"host"]
     lines += [b"%s: %s\r\n" % (name, value) for name, value in headers if name.lower() != b"host"]
-    lines.append(b"\r\n")
+    lines.append(b"Connection: close\r\n\r\n" if close else b"\r\n")
     return b"".join(lines)
 
 
