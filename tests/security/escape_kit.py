@@ -94,6 +94,19 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = HOST_POLL
     return True
 
 
+async def the_one_pid_with(marker: str, timeout_s: float = HOST_POLL_S) -> int:
+    """The host process whose argv holds `marker`, from one look that finds it alone (a shell's
+    child has the shell's argv too, between its fork and its exec)."""
+    seen: list[int] = []
+
+    def alone() -> bool:
+        seen[:] = host_pids_with(marker)
+        return len(seen) == 1
+
+    assert await wait_until(alone, timeout_s), seen
+    return seen[0]
+
+
 def attempts(**commands: str) -> str:
     """A script that runs each command in a subshell and prints `name=ok` or `name=fail`.
 

@@ -15,7 +15,13 @@ import tarfile
 import time
 
 import pytest
-from escape_kit import Sandboxes, daemon_attack_script, host_pids_with, unique, wait_until
+from escape_kit import (
+    Sandboxes,
+    daemon_attack_script,
+    host_pids_with,
+    the_one_pid_with,
+    unique,
+)
 from other_user import OtherUser, remove
 
 from cc_server.backends.identity import is_sandbox_uid
@@ -84,8 +90,7 @@ async def test_a_sandboxed_process_is_never_host_uid_0(sb: Sandboxes) -> None:
     marker = unique("CC-IDENTITY")
     handle = sb.launch()
     async with handle.open_exec(["/bin/sh", "-c", f"sleep 30; echo {marker}"]) as execution:
-        assert await wait_until(lambda: len(host_pids_with(marker)) == 1, 10.0)
-        (pid,) = host_pids_with(marker)
+        pid = await the_one_pid_with(marker, 10.0)
         status = pathlib.Path(f"/proc/{pid}/status").read_text()
         ids = {line.split(":")[0]: line.split()[1:] for line in status.splitlines()
                if line.startswith(("Uid:", "Gid:", "Groups:"))}  # fmt: skip

@@ -28,6 +28,7 @@ from escape_kit import (
     host_pids_with,
     outcomes,
     output,
+    the_one_pid_with,
     unique,
     wait_until,
 )
@@ -576,16 +577,7 @@ async def test_a_sandbox_cannot_signal_trace_or_read_another_sessions_sandbox(
     victim = sb.launch()
     await _sh(sb, victim, f"echo {marker} > /tmp/note; echo {marker} > /dev/shm/note")
     async with victim.open_exec(["/bin/sh", "-c", f"sleep 60; : {marker}"]) as execution:
-        # One look that finds the shell alone (its child has its command line too, for the
-        # moment between its fork and its exec of sleep), and that shell is the victim.
-        seen: list[int] = []
-
-        def alone() -> bool:
-            seen[:] = host_pids_with(marker)
-            return len(seen) == 1
-
-        assert await wait_until(alone, 10.0)
-        (pid,) = seen
+        pid = await the_one_pid_with(marker, 10.0)
         uid = pathlib.Path(f"/proc/{pid}/status").read_text().split("Uid:")[1].split()[0]
         assert is_sandbox_uid(int(uid))  # control: a sandbox identity, as the attacker's
         attacker = sb.launch()
