@@ -128,24 +128,28 @@ class _Daemon:
         self.idle.set()
 
     async def serve(self) -> None:
+        """Serve until idle for IDLE_EXIT_S or stopped; the spare and every sandbox are torn
+        down on the way out, cancelled (SIGINT) included."""
         loop = asyncio.get_running_loop()
-        async with asyncio.TaskGroup() as tg:
-            self.tasks = tg
-            accepting = tg.create_task(self._accept(loop, tg))
-            while not self.stopping:
-                await self.idle.wait()
-                try:
-                    async with asyncio.timeout(IDLE_EXIT_S):
-                        while self.idle.is_set() and not self.stopping:
-                            await asyncio.sleep(1)
-                            self._expire_spare()
-                except TimeoutError:
-                    break
-            accepting.cancel()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self.tasks = tg
+                accepting = tg.create_task(self._accept(loop, tg))
+                while not self.stopping:
+                    await self.idle.wait()
+                    try:
+                        async with asyncio.timeout(IDLE_EXIT_S):
+                            while self.idle.is_set() and not self.stopping:
+                                await asyncio.sleep(1)
+                                self._expire_spare()
+                    except TimeoutError:
+                        break
+                accepting.cancel()
+        finally:
             self._unlink()
-        self.tasks = None
-        await self._drop_spare()
-        await self.manager.aclose()
+            self.tasks = None
+            await self._drop_spare()
+            await self.manager.aclose()
 
     def _unlink(self) -> None:
         with contextlib.suppress(OSError):
@@ -366,7 +370,7 @@ class _Daemon:
 
     async def _drop_spare(self) -> None:
         spare, self.spare = self.spare, None
-        if spare is not None:
+        if spare is not None and not spare.task.cancelled():  # cancelled: it tore itself down
             await self._destroy(spare)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

@@ -420,6 +420,8 @@ def test_a_spare_goes_with_its_daemon(
     assert wait_for(lambda: not bwrap_binding(work)), bwrap_binding(work)
     with open("/proc/self/mountinfo") as f:
         assert str(work) not in f.read()  # no mount of the spare's left on the host
+    if how is signal.SIGINT:  # ended by itself: the spare is torn down, its directory too
+        assert _session_dirs(runtime, pid) == []
     # The next daemon serves (its session directory is swept by the next daemon whose owner
     # is reaped by then: not checked here, the reaper of a killed daemon is the host's init).
     again = client("run", "--", "true", env=env, cwd=work)
