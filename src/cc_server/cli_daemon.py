@@ -566,7 +566,12 @@ def main(argv: list[str] | None = None) -> int:
     listener = _listen(args[0])
     if listener is None:
         return 0
+    # Its own dispositions, not those of whichever shell started the first client (a
+    # background job's SIGINT is ignored): a hang-up is ignored, SIGINT ends it (torn down),
+    # SIGTERM at once.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     with listener:
         asyncio.run(_serve(args[0], listener))
     return 0
