@@ -428,6 +428,25 @@ def test_a_spare_goes_with_its_daemon(
     assert again.returncode == 0, again.stderr
 
 
+def test_a_daemon_started_with_sigint_ignored_still_ends_on_sigint(
+    env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
+) -> None:
+    # The first client started as a background job of a shell is (SIGINT ignored): the daemon
+    # it spawns must not inherit that and outlive a SIGINT with its spare.
+    first = subprocess.run(
+        [*PYTHON_CLIENT, "run", "--bind", str(work), "--", "true"], env=env, cwd=work,
+        capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=CLI_TIMEOUT_S,
+        check=False, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert first.returncode == 0, first.stderr
+    [pid] = daemon_pids(runtime)
+    assert wait_for(lambda: _spare_ready(work))
+    os.kill(pid, signal.SIGINT)
+    assert wait_for(lambda: not daemon_pids(runtime))
+    assert wait_for(lambda: not bwrap_binding(work)), bwrap_binding(work)
+    assert _session_dirs(runtime, pid) == []
+
+
 def test_daemon_stop_destroys_the_spare_at_once(
     env: dict[str, str], runtime: pathlib.Path, work: pathlib.Path
 ) -> None:
